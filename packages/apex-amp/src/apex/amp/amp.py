@@ -1,0 +1,330 @@
+"""O1's function registry and handle: ``amp.init``, ``register_{half,float,promote}_function``,
+the ``half_function``/``float_function``/``promote_function`` decorators.
+
+O1 runs the model's forward under ``torch.autocast`` (initialize patches ``forward``), which casts
+torch's own functions by its op lists, close to apex's lists: matmul, conv and linear in the low
+precision dtype; softmax, losses, norms, exp/log/pow/sum in fp32; mixed inputs promoted to the
+widest. On top of that, functions registered here are wrapped where they live (as apex patched
+them): while autocast is on (and casts are not disabled), their floating-point arguments are cast
+by their policy and they run with autocast off; elsewhere they run untouched.
+``torch.nn.functional.binary_cross_entropy`` (and so ``nn.BCELoss``) is refused inside an O1
+forward unless ``amp.init(allow_banned=True)`` (then it runs in fp32). The losses and softmax of
+``torch.nn.functional`` (``FP32_FUNCTIONS``) run in fp32 on fp16/bf16 input wherever they are
+called while O1 is active, as apex's global patches did (a loss computed outside the forward on
+its low-precision output included).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ._amp_state import _amp_state
+from ._casting import autocast_on, cast_tree, widest_dtype
+
+logger = logging.getLogger("apex.amp")
+
+HALF, FLOAT, PROMOTE = "half", "float", "promote"
+
+# (module, name, policy): consumed and cleared by the next amp.init (apex's registry).
+_USER_REGISTRY: list[tuple[object, str, str]] = []
+
+BANNED_MESSAGE = (
+    "amp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss`: it "
+    "needs its input already in fp32, and in low precision the result can be wrong. Use "
+    "`torch.nn.BCEWithLogitsLoss` / `F.binary_cross_entropy_with_logits` (safe under amp), or, "
+    "if you know the input is fp32 and accept the risk, call "
+    "`amp.register_float_function(torch.nn.functional, 'binary_cross_entropy')` before "
+    "amp.initialize, or `amp.init(allow_banned=True)`."
+)
+
+
+def _casts_active() -> bool:
+    handle = _amp_state.handle
+    device_type = _amp_state.device_type
+    if handle is None or device_type is None or not handle.is_active():
+        return False
+    return autocast_on(device_type)
+
+
+def _target_dtype(policy: str, args, kwargs):
+    if policy == HALF:
+        return _amp_state.low_precision_dtype
+    if policy == FLOAT:
+        return torch.float32
+    return widest_dtype(args, kwargs)
+
+
+def _wrap(fn, policy: str):
+    if (
+        getattr(fn, "_amp_original", None) is not None
+        and getattr(fn, "_amp_policy", None) == policy
+    ):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _casts_active():
+            return fn(*args, **kwargs)
+        dtype = _target_dtype(policy, args, kwargs)
+        if dtype is not None:
+            args = cast_tree(args, dtype)
+            kwargs = cast_tree(kwargs, dtype)
+        with torch.autocast(_amp_state.device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper._amp_original = fn
+    wrapper._amp_policy = policy
+    return wrapper
+
+
+def _banned(fn, allow: bool):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _casts_active():
+            return fn(*args, **kwargs)
+        if not allow:
+            raise RuntimeError(BANNED_MESSAGE)
+        args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
+        with torch.autocast(_amp_state.device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper._amp_original = fn
+    wrapper._amp_policy = "banned"
+    return wrapper
+
+
+# apex's FP32 list for losses and softmax: O1 ran them in fp32 wherever they were called (apex
+# patched them globally), so a loss computed outside the model's forward on its fp16 output is
+# still computed in fp32. Inside the forward autocast does the same already.
+FP32_FUNCTIONS = (
+    "softmax",
+    "log_softmax",
+    "softmin",
+    "cross_entropy",
+    "nll_loss",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "binary_cross_entropy_with_logits",
+    "poisson_nll_loss",
+    "gaussian_nll_loss",
+    "cosine_embedding_loss",
+    "hinge_embedding_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+    "multi_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "ctc_loss",
+)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _has_low_precision(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype in LOW_PRECISION
+    if isinstance(value, dict):
+        return any(_has_low_precision(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_low_precision(v) for v in value)
+    return False
+
+
+def _fp32_everywhere(fn):
+    """``fn`` in fp32 whenever O1 is active and an argument is fp16/bf16, inside or outside
+    the forward."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        handle = _amp_state.handle
+        if handle is None or not handle.is_active():
+            return fn(*args, **kwargs)
+        if not (_has_low_precision(args) or _has_low_precision(kwargs)):
+            return fn(*args, **kwargs)
+        args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
+        with torch.autocast(_amp_state.device_type or "cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper._amp_original = fn
+    wrapper._amp_policy = "fp32"
+    return wrapper
+
+
+def _register(module, name: str, policy: str) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    _USER_REGISTRY.append((module, name, policy))
+
+
+def register_half_function(module, name: str) -> None:
+    """Run ``module.name`` in the low-precision dtype inside O1 forwards (call before
+    ``amp.initialize``; no effect for O0, O2, O3)."""
+    _register(module, name, HALF)
+
+
+def register_float_function(module, name: str) -> None:
+    """Run ``module.name`` in fp32 inside O1 forwards (call before ``amp.initialize``)."""
+    _register(module, name, FLOAT)
+
+
+def register_promote_function(module, name: str) -> None:
+    """Run ``module.name`` in the widest dtype of its arguments inside O1 forwards."""
+    _register(module, name, PROMOTE)
+
+
+def half_function(fn):
+    """Decorator: ``fn`` runs in the low-precision dtype inside O1 forwards."""
+    return _wrap(fn, HALF)
+
+
+def float_function(fn):
+    """Decorator: ``fn`` runs in fp32 inside O1 forwards."""
+    return _wrap(fn, FLOAT)
+
+
+def promote_function(fn):
+    """Decorator: ``fn`` runs in the widest dtype of its arguments inside O1 forwards."""
+    return _wrap(fn, PROMOTE)
+
+
+class AmpHandle:
+    """apex's handle (``_amp_state.handle``) for O1: whether casts are active, and the patches
+    it made (restored by ``_deactivate``)."""
+
+    def __init__(self, loss_scale="dynamic", enable_caching=True, verbose=False):
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self._cache: dict = {}
+        self._default_scaler_spec = loss_scale
+        self._is_active = True
+        self._all_wrappers: list[tuple[object, str, object]] = []
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    def _disable_casts(self):
+        from .handle import disable_casts
+
+        return disable_casts()
+
+    def wrap_optimizer(self, optimizer, num_loss=1):
+        raise RuntimeError(
+            "The old Amp API (amp_handle.wrap_optimizer) is not supported: use "
+            "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
+            "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`."
+        )
+
+    def scale_loss(self, loss, optimizer, **kwargs):
+        """The old handle API: ``amp.scale_loss`` once ``amp.initialize`` has run."""
+        if _amp_state.opt_properties is None:
+            raise RuntimeError(
+                "amp_handle.scale_loss needs amp.initialize: call `model, optimizer = "
+                "amp.initialize(model, optimizer, opt_level='O1')`, then use "
+                "`with amp.scale_loss(loss, optimizer) as scaled_loss`."
+            )
+        from .handle import scale_loss
+
+        return scale_loss(loss, optimizer, **kwargs)
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _save_func(self, mod, fn, func) -> None:
+        self._all_wrappers.append((mod, fn, func))
+
+    def _deactivate(self) -> None:
+        for mod, name, original in reversed(self._all_wrappers):
+            setattr(mod, name, original)
+        self._all_wrappers = []
+        self._is_active = False
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def cache(self) -> dict:
+        return self._cache
+
+    def remove_cache(self, param) -> None:
+        if self.has_cache and param in self.cache:
+            del self.cache[param]
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+
+class NoOpHandle:
+    def is_active(self) -> bool:
+        return False
+
+    def _disable_casts(self):
+        from .handle import disable_casts
+
+        return disable_casts()
+
+    def wrap_optimizer(self, optimizer, num_loss=1):
+        return optimizer
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+
+def _patch(handle: AmpHandle, module, name: str, new) -> None:
+    handle._save_func(module, name, getattr(module, name))
+    setattr(module, name, new)
+
+
+def init(
+    enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False, allow_banned=False
+):
+    """Set up O1's function patches (``amp.initialize`` calls it for O1); returns the handle.
+
+    Applies and clears the functions registered with ``register_*_function``; refuses
+    ``F.binary_cross_entropy`` inside O1 forwards unless ``allow_banned``.
+    """
+    if not enabled:
+        handle = NoOpHandle()
+        _amp_state.handle = handle
+        _USER_REGISTRY.clear()
+        return handle
+    if isinstance(_amp_state.handle, AmpHandle):
+        _amp_state.handle._deactivate()
+    handle = AmpHandle(loss_scale, enable_caching, verbose)
+    registered = {(id(m), n) for m, n, _ in _USER_REGISTRY}
+    bce = (id(torch.nn.functional), "binary_cross_entropy")
+    if bce not in registered:
+        fn = torch.nn.functional.binary_cross_entropy
+        _patch(handle, torch.nn.functional, "binary_cross_entropy", _banned(fn, allow_banned))
+    functional = torch.nn.functional
+    for name in FP32_FUNCTIONS:
+        if hasattr(functional, name) and (id(functional), name) not in registered:
+            fn = getattr(functional, name)
+            _patch(handle, functional, name, _fp32_everywhere(getattr(fn, "_amp_original", fn)))
+    for module, name, policy in _USER_REGISTRY:
+        original = getattr(module, name)
+        original = getattr(original, "_amp_original", original)
+        _patch(handle, module, name, _wrap(original, policy))
+        if verbose:
+            logger.info("amp: %s.%s runs as %s", getattr(module, "__name__", module), name, policy)
+    _USER_REGISTRY.clear()
+    _amp_state.handle = handle
+    return handle

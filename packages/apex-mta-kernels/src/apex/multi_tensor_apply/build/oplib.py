@@ -1,0 +1,105 @@
+"""Defining a package's ops once, for every package that compiles kernels with this builder.
+
+``define_ops`` registers, in the package's torch.library namespace, every op's schema, its plain-
+torch reference as the kernel for every device (CompositeExplicitAutograd), and its fake. On CUDA a
+*loader* kernel stands in for each op until the package's compiled library is loaded: its first
+call loads the library (prebuilt, cached, or compiled then under the OS lock); just before the
+library is opened the loaders are dropped, so the library's own ``TORCH_LIBRARY_IMPL(<ns>, CUDA, m)``
+registrations become the kernels, with no Python between the caller and the launcher. When the
+library cannot be had the loaders stay and run the reference (after one warning; with
+``APEX_STRICT_KERNELS=1`` they raise instead).
+
+    OPS = define_ops("apex_norm", NORM_SPEC, SCHEMAS, references={...}, fakes={...})
+    torch.ops.apex_norm.layer_norm_fwd(...)      # or OPS.ensure_loaded() to load eagerly
+
+Never name a schema argument ``mode``: torch's Python dispatcher treats it specially.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from . import loader
+from .spec import KernelSpec
+
+_register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+
+
+def _fake_none(*args, **kwargs):
+    return None
+
+
+class OpLibrary:
+    """The ops of one namespace backed by one compiled library (see the module docstring)."""
+
+    def __init__(
+        self,
+        namespace: str,
+        spec: KernelSpec,
+        schemas: Mapping[str, str],
+        references: Mapping[str, Callable],
+        fakes: Mapping[str, Callable] | None = None,
+    ):
+        missing = set(schemas) - set(references)
+        if missing:
+            raise ValueError(f"{namespace}: no reference for {sorted(missing)}")
+        self.namespace = namespace
+        self.spec = spec
+        self.schemas = dict(schemas)
+        self._references = dict(references)
+        self._lib = torch.library.Library(namespace, "DEF")  # noqa: TOR901 - lives as long as the process
+        self._loaders: torch.library.Library | None = None
+        fakes = fakes or {}
+        for name, schema in self.schemas.items():
+            self._lib.define(schema)
+            self._lib.impl(name, self._references[name], "CompositeExplicitAutograd")
+            _register_fake(f"{namespace}::{name}", fakes.get(name, _fake_none), lib=self._lib)
+        self._install_loaders()
+        loader.register_pre_load(spec.name, self._drop_loaders)
+
+    # -- the CUDA stand-ins ---------------------------------------------------------------------
+
+    def _loader_kernel(self, name: str):
+        ref = self._references[name]
+
+        def load_then_call(*args):
+            if self.ensure_loaded():
+                return getattr(getattr(torch.ops, self.namespace), name).default(*args)
+            return ref(*args)
+
+        load_then_call.__name__ = f"{name}_load_then_call"
+        return load_then_call
+
+    def _install_loaders(self) -> None:
+        if self._loaders is None:
+            self._loaders = torch.library.Library(self.namespace, "IMPL")  # noqa: TOR901
+            for name in self.schemas:
+                self._loaders.impl(name, self._loader_kernel(name), "CUDA")
+
+    def _drop_loaders(self) -> None:
+        """Called by the builder right before the library is opened."""
+        if self._loaders is not None:
+            self._loaders._destroy()
+            self._loaders = None
+
+    def ensure_loaded(self) -> bool:
+        """True once the compiled kernels are registered; False when on the reference path."""
+        try:
+            ext = loader.load(self.spec)
+        finally:
+            if loader.loaded(self.spec) is None:
+                self._install_loaders()  # the library never opened: keep (or restore) the loaders
+        return ext is not None
+
+
+def define_ops(
+    namespace: str,
+    spec: KernelSpec,
+    schemas: Mapping[str, str],
+    references: Mapping[str, Callable],
+    fakes: Mapping[str, Callable] | None = None,
+) -> OpLibrary:
+    """Define ``schemas`` in ``namespace`` with their references, fakes and CUDA loaders."""
+    return OpLibrary(namespace, spec, schemas, references, fakes)

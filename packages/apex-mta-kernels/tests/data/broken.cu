@@ -1,0 +1,1 @@
+// Never compiled: the fallback test points CUDA_HOME nowhere.

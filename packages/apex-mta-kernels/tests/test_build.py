@@ -1,0 +1,334 @@
+"""The extension builder: CUDA discovery, cache keys, the lock, fallback, AOT and the report."""
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from apex.multi_tensor_apply.build import cuda_home, loader
+from apex.multi_tensor_apply.build.spec import (
+    KernelSpec,
+    arch_covers,
+    build_key,
+    normalize_archs,
+)
+
+HERE = Path(__file__).parent
+SRC = HERE.parent / "src"
+TINY = KernelSpec(
+    name="apex_test_tiny", package="", sources=("tiny.cpp",), directory=str(HERE / "data" / "tiny")
+)
+
+
+def run_py(code, env_extra=None, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("APEX_CACHE_DIR", str(d))
+    loader.reset_for_tests()
+    yield d
+    loader.reset_for_tests()
+
+
+# ---- CUDA discovery ------------------------------------------------------------------------------
+
+
+def fake_toolkit(root: Path, version: str) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "include" / "cuda_runtime.h").write_text("")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {version}, V{version}.1'\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    return root
+
+
+@pytest.fixture
+def no_cuda_env(monkeypatch, tmp_path):
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", "/bin:/usr/bin")
+    monkeypatch.setattr(cuda_home, "DEFAULT_CUDA_HOME", tmp_path / "no-such-cuda")
+    monkeypatch.setattr(cuda_home, "_site_dirs", lambda: [])
+    cuda_home.find_toolkit.cache_clear()
+    yield
+    cuda_home.find_toolkit.cache_clear()
+
+
+def test_cuda_home_env_wins(no_cuda_env, monkeypatch, tmp_path):
+    home = fake_toolkit(tmp_path / "tk", "13.0")
+    fake_toolkit(tmp_path / "onpath", "13.0")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'onpath' / 'bin'}:/bin:/usr/bin")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    tk = cuda_home.find_toolkit("13.0")
+    assert tk.home == home and tk.version == "13.0" and tk.reason == "CUDA_HOME is set"
+
+
+def test_cuda_home_nvcc_on_path_then_pip_wheel(no_cuda_env, monkeypatch, tmp_path):
+    site = tmp_path / "site-packages"
+    pip_home = fake_toolkit(site / "nvidia" / "cu13", "13.0")
+    monkeypatch.setattr(cuda_home, "_site_dirs", lambda: [site])
+    tk = cuda_home.find_toolkit("13.0")
+    assert tk.home == pip_home and "pip wheel" in tk.reason
+    cuda_home.find_toolkit.cache_clear()
+    path_home = fake_toolkit(tmp_path / "onpath", "13.0")
+    monkeypatch.setenv("PATH", f"{path_home / 'bin'}:/bin:/usr/bin")
+    tk = cuda_home.find_toolkit("13.0")
+    assert tk.home == path_home and tk.reason.startswith("nvcc on PATH")
+
+
+def test_cuda_major_mismatch_refused_with_the_fix(no_cuda_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "tk", "12.4")))
+    with pytest.raises(cuda_home.ToolkitError) as err:
+        cuda_home.find_toolkit("13.0")
+    msg = str(err.value)
+    assert "is CUDA 12.4 but torch was built with CUDA 13.0" in msg
+    assert "pip install 'cuda-toolkit[nvcc,cccl]==13.0.*'" in msg
+
+
+def test_no_toolkit_says_what_was_tried(no_cuda_env):
+    with pytest.raises(cuda_home.ToolkitError, match="no CUDA compiler \\(nvcc\\) found. Tried"):
+        cuda_home.find_toolkit("13.0")
+
+
+def test_cudart_shim_for_pip_toolkits(tmp_path):
+    home = fake_toolkit(tmp_path / "cu13", "13.0")
+    (home / "lib").mkdir()
+    (home / "lib" / "libcudart.so.13").write_text("")
+    tk = cuda_home.CudaToolkit(home, home / "bin" / "nvcc", "13.0", "test")
+    shim = cuda_home.cudart_link_dir(tk, tmp_path / "shim")
+    assert (shim / "libcudart.so").resolve() == (home / "lib" / "libcudart.so.13").resolve()
+
+
+def test_cudart_shim_survives_a_deleted_toolkit(tmp_path):
+    # CI regression: a shim left pointing into a deleted venv made `-lcudart` fail to link.
+    def toolkit(name):
+        home = fake_toolkit(tmp_path / name, "13.0")
+        (home / "lib").mkdir()
+        (home / "lib" / "libcudart.so.13").write_text("")
+        return cuda_home.CudaToolkit(home, home / "bin" / "nvcc", "13.0", "test")
+
+    old = toolkit("old-venv")
+    stale = cuda_home.cudart_link_dir(old, tmp_path / "shim")
+    shutil.rmtree(old.home)
+    assert (stale / "libcudart.so").is_symlink() and not (stale / "libcudart.so").exists()
+    new = toolkit("new-venv")
+    shim = cuda_home.cudart_link_dir(new, tmp_path / "shim")
+    assert (shim / "libcudart.so").exists()
+    assert (shim / "libcudart.so").resolve() == (new.home / "lib" / "libcudart.so.13").resolve()
+    # the same toolkit deleted and recreated in place: the link is valid again, still one answer
+    shutil.rmtree(new.home)
+    new = toolkit("new-venv")
+    assert (
+        cuda_home.cudart_link_dir(new, tmp_path / "shim") == shim
+        and (shim / "libcudart.so").exists()
+    )
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+
+def test_archs_and_keys():
+    assert normalize_archs("9.0;8.0") == ("8.0", "9.0")
+    assert normalize_archs(["sm_90", "80", "8.0"]) == ("8.0", "9.0")
+    assert arch_covers(("8.0", "9.0"), "9.0") and arch_covers(("8.0",), "8.6")
+    assert not arch_covers(("8.0",), "9.0") and not arch_covers(("9.0",), "8.0")
+    k1 = build_key(TINY, "2.14.1+cu130", "13.0", ("8.0", "9.0"))
+    k2 = build_key(TINY, "2.14.1+cu130", "13.0", ("9.0",))
+    k3 = build_key(TINY, "2.13.0", "13.0", ("9.0",))
+    assert len({k1, k2, k3}) == 3 and "torch2.14.1-cu130" in k1 and k1.endswith("sm80_90")
+
+
+# ---- fallback --------------------------------------------------------------------------------------
+
+BROKEN = KernelSpec(
+    name="apex_test_broken", package="", sources=("broken.cu",), directory=str(HERE / "data")
+)
+
+
+def test_fallback_warns_once_and_strict_raises(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("APEX_CUDA_ARCHS", "9.0")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
+    cuda_home.find_toolkit.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert loader.load(BROKEN) is None
+        assert loader.load(BROKEN) is None
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1, msgs
+    assert "reference path" in msgs[0] and "APEX_STRICT_KERNELS=1" in msgs[0]
+    monkeypatch.setenv("APEX_STRICT_KERNELS", "1")
+    with pytest.raises(loader.KernelsUnavailable, match="apex_test_broken is unavailable"):
+        loader.load(BROKEN)
+
+
+# ---- compile once, cache, lock ---------------------------------------------------------------------
+
+LOAD_TINY = """
+import time, torch
+from test_build import TINY
+from apex.multi_tensor_apply.build import loader
+t = time.perf_counter()
+ext = loader.load(TINY)
+dt = time.perf_counter() - t
+assert torch.equal(torch.ops.apex_test_tiny.add_one(torch.ones(3)), torch.full((3,), 2.0))
+print("ORIGIN", ext.origin, "SECONDS", dt)
+"""
+
+
+@pytest.mark.slow
+def test_eight_processes_compile_once_then_cache_loads_fast(cache):
+    env = {"APEX_CACHE_DIR": str(cache), "APEX_STRICT_KERNELS": "1", "MAX_JOBS": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD_TINY],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)])},
+        )
+        for _ in range(8)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    origins = [o[0].split()[1] for o in outs]
+    assert origins.count("compiled") == 1 and origins.count("cache") == 7, origins
+    logs = "".join(o[1] for o in outs)
+    assert logs.count("apex: compiling apex_test_tiny") == 1
+    assert "apex: built apex_test_tiny in" in logs
+    # a later process loads from the cache, without compiling, in well under half a second
+    r = run_py(LOAD_TINY, env)
+    assert r.returncode == 0, r.stderr
+    _, origin, _, seconds = r.stdout.split()
+    assert origin == "cache" and float(seconds) < 0.5, r.stdout
+    assert "compiling" not in r.stderr
+
+
+@pytest.mark.slow
+def test_killed_lock_holder_and_stale_torch_lock_never_hang(cache):
+    env = {"APEX_CACHE_DIR": str(cache), "APEX_STRICT_KERNELS": "1"}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
+            import sys, time
+            from apex.multi_tensor_apply.build.lock import FileLock
+            from apex.multi_tensor_apply.build.spec import cache_root
+            with FileLock(cache_root() / "apex_test_tiny.lock"):
+                print("locked", flush=True)
+                time.sleep(600)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env, "PYTHONPATH": str(SRC)},
+    )
+    assert holder.stdout.readline().strip() == "locked"
+    holder.send_signal(signal.SIGKILL)  # dies holding the lock
+    holder.wait(timeout=30)
+    # also leave torch's own O_EXCL build lock behind, as a killed torch<=2.13 build does
+    key = build_key(TINY, torch.__version__, torch.version.cuda, ())
+    (cache / key).mkdir(parents=True)
+    (cache / key / "lock").write_text("")
+    t = time.time()
+    r = run_py(LOAD_TINY, env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ORIGIN compiled" in r.stdout and time.time() - t < 300
+
+
+@pytest.mark.slow
+def test_aot_build_into_package_is_found_as_prebuilt(cache, tmp_path):
+    import shutil
+
+    from apex.multi_tensor_apply.build import aot
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(HERE / "data" / "tiny", pkg)
+    spec = KernelSpec(name="apex_test_tiny", package="", sources=("tiny.cpp",), directory=str(pkg))
+    libs = aot.build("8.0;9.0", specs=[spec], into_package=True)
+    assert libs == [pkg / "_prebuilt" / f"apex_test_tiny{loader.LIB_SUFFIX}"]
+    assert loader.find_prebuilt(spec, ()) == libs[0]
+    shutil.rmtree(cache)  # nothing cached: the package's own copy is what loads
+    assert loader.find_cached(spec, ()) is None
+    aot.clean_package([spec])
+    assert not (pkg / "_prebuilt").exists()
+
+
+# ---- import cost and the report ------------------------------------------------------------------
+
+
+def test_import_is_cheap_compiles_nothing_and_leaves_cuda_alone(tmp_path):
+    r = run_py(
+        """
+        import time, torch
+        t = time.perf_counter()
+        import apex.multi_tensor_apply, amp_C, apex_C
+        dt = time.perf_counter() - t
+        import os
+        print(dt, torch.cuda.is_initialized(), os.path.exists(os.environ["APEX_CACHE_DIR"]))
+        """,
+        {"APEX_CACHE_DIR": str(tmp_path / "c")},
+    )
+    assert r.returncode == 0, r.stderr
+    dt, cuda_init, cache_made = r.stdout.split()
+    assert float(dt) < 0.3 and cuda_init == "False" and cache_made == "False", r.stdout
+
+
+def test_report_runs(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "apex.multi_tensor_apply"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC), "APEX_CACHE_DIR": str(tmp_path)},
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for words in (
+        "torch",
+        "CUDA toolkit",
+        "apex-mta-kernels",
+        "apex_mta_C",
+        "cache dir",
+        "status                     ok",
+    ):
+        assert words in r.stdout
+
+
+def test_report_fails_on_a_foreign_apex(tmp_path):
+    site = tmp_path / "site"
+    (site / "apex").mkdir(parents=True)
+    meta = site / "apex-0.1.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: apex\nVersion: 0.1\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "apex.multi_tensor_apply"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(site)])},
+    )
+    assert r.returncode == 1
+    assert "NVIDIA apex 0.1" in r.stdout and "apex namespace is broken" in r.stdout

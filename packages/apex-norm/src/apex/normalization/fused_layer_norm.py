@@ -1,0 +1,478 @@
+"""apex's fused LayerNorm and RMSNorm: modules, functional forms and autograd Functions.
+
+Signatures and defaults are apex's (note: functional eps defaults to 1e-6, modules' to 1e-5).
+Every form runs the ``apex_norm`` ops (ops.py): the CUDA kernels on a GPU, the plain-torch
+reference elsewhere, so the same code runs on CPU, under ``torch.compile(fullgraph=True)`` and in
+CUDA graphs.
+
+dtypes (``ops.output_dtype``): any combination of input and weight dtypes among float32, float16,
+bfloat16 and float64 is accepted and computed in float32 (float64 for float64 input). The output
+has the input's dtype, except float32 input with a float16/bfloat16 weight, which gives the
+weight's dtype; the Mixed* forms always give the weight's dtype. Gradients have the dtype of the
+tensor they belong to.
+
+Autocast: inside ``torch.autocast`` enabled for the input's device type, input, weight and bias
+(floating, not float64) are first cast to the autocast dtype, so the output has the autocast
+dtype, as apex does (torch's own ``F.layer_norm`` would return float32 there).
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import torch
+from torch.nn import init
+
+from . import ops, reference
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "FusedLayerNormAffineFunction",
+    "FusedLayerNormFunction",
+    "FusedRMSNormAffineFunction",
+    "FusedRMSNormFunction",
+    "FusedLayerNormAffineMixedDtypesFunction",
+    "FusedRMSNormAffineMixedDtypesFunction",
+    "fused_layer_norm_affine",
+    "fused_layer_norm",
+    "mixed_dtype_fused_layer_norm_affine",
+    "fused_rms_norm_affine",
+    "fused_rms_norm",
+    "mixed_dtype_fused_rms_norm_affine",
+    "manual_rms_norm",
+    "supports_custom_op",
+]
+
+
+def supports_custom_op() -> bool:
+    """As apex: whether this torch has ``torch.library.custom_op`` (torch >= 2.4)."""
+    return hasattr(torch.library, "custom_op")
+
+
+# -- autocast ------------------------------------------------------------------------------------
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for ``device_type``, else None."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        enabled = (
+            torch.is_autocast_enabled()
+            if device_type == "cuda"
+            else (device_type == "cpu" and torch.is_autocast_cpu_enabled())
+        )
+        if not enabled:
+            return None
+        if device_type == "cuda":
+            return torch.get_autocast_gpu_dtype()
+        return torch.get_autocast_cpu_dtype()
+    if not enabled:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(input, *params):
+    """``(input, *params)`` cast to the autocast dtype when autocast is on for input's device."""
+    if not isinstance(input, torch.Tensor):
+        return (input, *params)
+    dtype = _autocast_dtype(input.device.type)
+    if dtype is None:
+        return (input, *params)
+
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            return t.to(dtype)
+        return t
+
+    return tuple(cast(t) for t in (input, *params))
+
+
+# -- autograd Functions (apex's forward argument lists; clients inspect them) ------------------
+
+
+def _contiguous(t):
+    return t.contiguous() if t is not None else None
+
+
+def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, mixed):
+    shape = ops.validate(input, normalized_shape, weight, bias)
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    input_, weight_, bias_ = _contiguous(input), _contiguous(weight), _contiguous(bias)
+    out, mean, invvar = ops.layer_norm_fwd(
+        input_, weight_, bias_, shape, eps, memory_efficient, out_dtype
+    )
+    ctx.normalized_shape = shape
+    ctx.eps = eps
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    if memory_efficient:
+        ctx.save_for_backward(out, None, invvar, weight_, bias_)
+    else:
+        ctx.save_for_backward(input_, mean, invvar, weight_, bias_)
+    return out
+
+
+def _ln_backward(ctx, grad_output):
+    x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
+    gi, gw, gb = ops.layer_norm_bwd(
+        grad_output.contiguous(),
+        mean,
+        invvar,
+        x_or_y,
+        ctx.normalized_shape,
+        weight,
+        bias,
+        ctx.eps,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return gi, (gw if weight is not None else None), (gb if bias is not None else None)
+
+
+def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mixed):
+    shape = ops.validate(input, normalized_shape, weight)
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    input_, weight_ = _contiguous(input), _contiguous(weight)
+    out, invvar = ops.rms_norm_fwd(input_, weight_, shape, eps, memory_efficient, out_dtype)
+    ctx.normalized_shape = shape
+    ctx.eps = eps
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    ctx.save_for_backward(out if memory_efficient else input_, invvar, weight_)
+    return out
+
+
+def _rms_backward(ctx, grad_output):
+    x_or_y, invvar, weight = ctx.saved_tensors
+    gi, gw = ops.rms_norm_bwd(
+        grad_output.contiguous(),
+        invvar,
+        x_or_y,
+        ctx.normalized_shape,
+        weight,
+        ctx.eps,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return gi, (gw if weight is not None else None)
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gi, gw, gb = _ln_backward(ctx, grad_output)
+        return gi, gw, gb, None, None, None
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    """Output in the weight's dtype (Megatron's mixed rule)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, True)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _ln_forward(ctx, input, None, None, normalized_shape, eps, memory_efficient, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gi, _, _ = _ln_backward(ctx, grad_output)
+        return gi, None, None, None
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gi, gw = _rms_backward(ctx, grad_output)
+        return gi, gw, None, None, None
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    """Output in the weight's dtype (Megatron's mixed rule)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, True)
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _rms_forward(ctx, input, None, normalized_shape, eps, memory_efficient, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gi, _ = _rms_backward(ctx, grad_output)
+        return gi, None, None, None
+
+
+# -- ONNX export -----------------------------------------------------------------------------------
+# The exporter has no ONNX function for the apex_norm ops: while exporting, the forms below run
+# the plain-torch reference math, which exports as standard ONNX operators.
+
+
+def _exporting() -> bool:
+    # Both exporters trace (TorchScript) or compile (dynamo); the cheap checks come first.
+    if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        return False
+    return torch.onnx.is_in_onnx_export()
+
+
+def _export_ln(input, weight, bias, normalized_shape, eps, mixed):
+    shape = ops.validate(input, normalized_shape, weight, bias)
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    return reference.layer_norm_fwd(input, weight, bias, shape, eps, False, out_dtype)[0]
+
+
+def _export_rms(input, weight, normalized_shape, eps, mixed):
+    shape = ops.validate(input, normalized_shape, weight)
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    return reference.rms_norm_fwd(input, weight, shape, eps, False, out_dtype)[0]
+
+
+# -- functional forms (apex's names and defaults) -----------------------------------------------
+
+
+def fused_layer_norm_affine(
+    input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """LayerNorm with weight and bias (either may be None). Output dtype: see the module doc."""
+    input, weight, bias = _autocast(input, weight, bias)
+    if _exporting():
+        return _export_ln(input, weight, bias, normalized_shape, eps, False)
+    return FusedLayerNormAffineFunction.apply(
+        input, weight, bias, normalized_shape, eps, memory_efficient
+    )
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """LayerNorm without weight and bias; output in the input's dtype."""
+    (input,) = _autocast(input)
+    if _exporting():
+        return _export_ln(input, None, None, normalized_shape, eps, False)
+    return FusedLayerNormFunction.apply(input, normalized_shape, eps, memory_efficient)
+
+
+def mixed_dtype_fused_layer_norm_affine(
+    input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """LayerNorm with the output in the weight's dtype."""
+    input, weight, bias = _autocast(input, weight, bias)
+    if _exporting():
+        return _export_ln(input, weight, bias, normalized_shape, eps, True)
+    return FusedLayerNormAffineMixedDtypesFunction.apply(
+        input, weight, bias, normalized_shape, eps, memory_efficient
+    )
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMSNorm with a weight (may be None). Output dtype: see the module doc."""
+    input, weight = _autocast(input, weight)
+    if _exporting():
+        return _export_rms(input, weight, normalized_shape, eps, False)
+    return FusedRMSNormAffineFunction.apply(input, weight, normalized_shape, eps, memory_efficient)
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMSNorm without a weight; output in the input's dtype."""
+    (input,) = _autocast(input)
+    if _exporting():
+        return _export_rms(input, None, normalized_shape, eps, False)
+    return FusedRMSNormFunction.apply(input, normalized_shape, eps, memory_efficient)
+
+
+def mixed_dtype_fused_rms_norm_affine(
+    input, weight, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """RMSNorm with the output in the weight's dtype."""
+    input, weight = _autocast(input, weight)
+    if _exporting():
+        return _export_rms(input, weight, normalized_shape, eps, True)
+    return FusedRMSNormAffineMixedDtypesFunction.apply(
+        input, weight, normalized_shape, eps, memory_efficient
+    )
+
+
+def manual_rms_norm(input, normalized_shape, weight, eps):
+    """apex's plain-torch RMSNorm (its CPU fallback): variance in float32; with a float16 or
+    bfloat16 weight the normalised input is cast to the weight's dtype before the product."""
+    dims = tuple(range(-1, -len(ops.as_normalized_shape(normalized_shape)) - 1, -1))
+    variance = input.to(torch.float32).pow(2).mean(dims, keepdim=True)
+    input = input * torch.rsqrt(variance + eps)
+    if weight is None:
+        return input
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        input = input.to(weight.dtype)
+    return weight * input
+
+
+# -- modules -------------------------------------------------------------------------------------
+
+
+def _as_size(normalized_shape) -> torch.Size:
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (normalized_shape,)
+    return torch.Size(ops.as_normalized_shape(tuple(normalized_shape)))
+
+
+class FusedLayerNorm(torch.nn.Module):
+    """LayerNorm over the last ``len(normalized_shape)`` dimensions, as ``torch.nn.LayerNorm``.
+
+    apex's arguments, plus torch's keyword-only ``bias`` (False: weight only), ``device`` and
+    ``dtype``. Attributes ``normalized_shape`` (torch.Size), ``eps``, ``elementwise_affine``,
+    ``memory_efficient``, ``weight`` and ``bias`` (None when not affine); state_dict keys as
+    nn.LayerNorm's. ``memory_efficient=True`` saves the output instead of the input for
+    backward and recovers x-hat from it (weight clamped by magnitude to eps, as apex).
+    """
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        elementwise_affine=True,
+        memory_efficient=False,
+        *,
+        bias=True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.normalized_shape = _as_size(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            if bias:
+                self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, input):
+        if self.elementwise_affine:
+            return fused_layer_norm_affine(
+                input,
+                self.weight,
+                self.bias,
+                self.normalized_shape,
+                self.eps,
+                self.memory_efficient,
+            )
+        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self):
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__
+        )
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm over the last ``len(normalized_shape)`` dimensions (``torch.nn.RMSNorm``'s math
+    with apex's arguments, plus keyword-only ``device`` and ``dtype``). Attribute ``weight`` (None
+    when not affine); state_dict key ``weight`` as nn.RMSNorm and HF T5LayerNorm."""
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        elementwise_affine=True,
+        memory_efficient=False,
+        *,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.normalized_shape = _as_size(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(
+                torch.empty(self.normalized_shape, device=device, dtype=dtype)
+            )
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            init.ones_(self.weight)
+
+    def forward(self, input):
+        if self.elementwise_affine:
+            return fused_rms_norm_affine(
+                input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
+            )
+        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self):
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(
+            **self.__dict__
+        )
+
+
+def _mixed_kwargs(cls_name: str, kwargs: dict) -> dict:
+    """apex's Mixed* keyword handling: ``elementwise_affine`` warns (False raises); every other
+    unknown keyword (NeMo passes ``sequence_parallel_enbaled``) is ignored. ``device`` and
+    ``dtype`` are kept as factory keywords."""
+    if "elementwise_affine" in kwargs:
+        warnings.warn(
+            f"{cls_name} does not support elementwise_affine; it is always affine",
+            stacklevel=3,
+        )
+        if not kwargs["elementwise_affine"]:
+            raise RuntimeError(f"{cls_name} does not support elementwise_affine=False")
+    return {k: kwargs[k] for k in ("device", "dtype") if k in kwargs}
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """FusedLayerNorm whose output has the weight's dtype (fp32 input + bf16 weight -> bf16)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        factory = _mixed_kwargs(type(self).__name__, kwargs)
+        super().__init__(normalized_shape, eps, True, memory_efficient, **factory)
+
+    def forward(self, input):
+        return mixed_dtype_fused_layer_norm_affine(
+            input, self.weight, self.bias, self.normalized_shape, self.eps, self.memory_efficient
+        )
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """FusedRMSNorm whose output has the weight's dtype (fp32 input + bf16 weight -> bf16)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        factory = _mixed_kwargs(type(self).__name__, kwargs)
+        super().__init__(normalized_shape, eps, True, memory_efficient, **factory)
+
+    def forward(self, input):
+        return mixed_dtype_fused_rms_norm_affine(
+            input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
+        )

@@ -1,0 +1,404 @@
+"""The ``apex_norm`` ops: schemas, fakes, autograd, and their kernels.
+
+Every op is defined here, in Python, so that it exists on any machine: the reference
+(reference.py) is its kernel for every device, and on CUDA the compiled library ``apex_norm_C``
+registers the real kernels the first time an op runs (compiled then if nothing prebuilt or cached
+fits). When the library cannot be had, CUDA falls back to the reference after one warning.
+
+    torch.ops.apex_norm.layer_norm_fwd(input, weight, bias, normalized_shape, eps,
+                                       memory_efficient=False, out_dtype=None) -> (out, mean, invvar)
+    torch.ops.apex_norm.layer_norm_bwd(grad_output, mean, invvar, input_or_output, normalized_shape,
+                                       weight, bias, eps, memory_efficient=False,
+                                       grad_input_dtype=None) -> (grad_input, grad_weight, grad_bias)
+    torch.ops.apex_norm.rms_norm_fwd(input, weight, normalized_shape, eps, memory_efficient=False,
+                                     out_dtype=None) -> (out, invvar)
+    torch.ops.apex_norm.rms_norm_bwd(grad_output, invvar, input_or_output, normalized_shape, weight,
+                                     eps, memory_efficient=False,
+                                     grad_input_dtype=None) -> (grad_input, grad_weight)
+
+``mean`` and ``invvar`` are float32 (float64 for float64 input), 1-D, one per row (the input's
+leading dimensions flattened). A missing weight or bias gives an empty (shape [0]) gradient. The
+forward ops are differentiable themselves (``torch.library.register_autograd``); the apex autograd
+Functions in fused_layer_norm.py call them too. The ops expect valid arguments: the functions in
+this module and in fused_layer_norm.py check them first (``validate``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from . import reference
+from ._kernels import NORM
+
+SCHEMAS = {
+    "layer_norm_fwd": (
+        "layer_norm_fwd(Tensor input, Tensor? weight, Tensor? bias, int[] normalized_shape, "
+        "float eps, bool memory_efficient=False, ScalarType? out_dtype=None) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "layer_norm_bwd": (
+        "layer_norm_bwd(Tensor grad_output, Tensor? mean, Tensor invvar, Tensor input_or_output, "
+        "int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+        "bool memory_efficient=False, ScalarType? grad_input_dtype=None) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "rms_norm_fwd": (
+        "rms_norm_fwd(Tensor input, Tensor? weight, int[] normalized_shape, float eps, "
+        "bool memory_efficient=False, ScalarType? out_dtype=None) -> (Tensor, Tensor)"
+    ),
+    "rms_norm_bwd": (
+        "rms_norm_bwd(Tensor grad_output, Tensor invvar, Tensor input_or_output, "
+        "int[] normalized_shape, Tensor? weight, float eps, bool memory_efficient=False, "
+        "ScalarType? grad_input_dtype=None) -> (Tensor, Tensor)"
+    ),
+}
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_NAMES = "float32, float16, bfloat16, float64"
+
+
+def _rows(t: torch.Tensor, normalized_shape) -> int:
+    return math.prod(t.shape[: t.dim() - len(normalized_shape)])
+
+
+def _stat(t: torch.Tensor, rows) -> torch.Tensor:
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return t.new_empty((rows,), dtype=dtype)
+
+
+def _grad_of(param: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if param is None:
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return like.new_empty((0,), dtype=dtype)
+    return param.new_empty(param.shape)
+
+
+def _fake_ln_fwd(
+    input, weight, bias, normalized_shape, eps, memory_efficient=False, out_dtype=None
+):
+    rows = _rows(input, normalized_shape)
+    out = input.new_empty(input.shape, dtype=out_dtype or input.dtype)
+    return out, _stat(input, rows), _stat(input, rows)
+
+
+def _fake_ln_bwd(
+    grad_output,
+    mean,
+    invvar,
+    input_or_output,
+    normalized_shape,
+    weight,
+    bias,
+    eps,
+    memory_efficient=False,
+    grad_input_dtype=None,
+):
+    gi = input_or_output.new_empty(
+        input_or_output.shape, dtype=grad_input_dtype or input_or_output.dtype
+    )
+    return gi, _grad_of(weight, input_or_output), _grad_of(bias, input_or_output)
+
+
+def _fake_rms_fwd(input, weight, normalized_shape, eps, memory_efficient=False, out_dtype=None):
+    out = input.new_empty(input.shape, dtype=out_dtype or input.dtype)
+    return out, _stat(input, _rows(input, normalized_shape))
+
+
+def _fake_rms_bwd(
+    grad_output,
+    invvar,
+    input_or_output,
+    normalized_shape,
+    weight,
+    eps,
+    memory_efficient=False,
+    grad_input_dtype=None,
+):
+    gi = input_or_output.new_empty(
+        input_or_output.shape, dtype=grad_input_dtype or input_or_output.dtype
+    )
+    return gi, _grad_of(weight, input_or_output)
+
+
+_FAKES = {
+    "layer_norm_fwd": _fake_ln_fwd,
+    "layer_norm_bwd": _fake_ln_bwd,
+    "rms_norm_fwd": _fake_rms_fwd,
+    "rms_norm_bwd": _fake_rms_bwd,
+}
+
+
+def _define():
+    from apex.multi_tensor_apply.build.oplib import define_ops
+
+    return define_ops(
+        "apex_norm", NORM, SCHEMAS, {n: getattr(reference, n) for n in SCHEMAS}, _FAKES
+    )
+
+
+# Schemas, references, fakes, and the CUDA loaders that fetch apex_norm_C on first use.
+OPS = _define()
+
+
+# -- autograd of the forward ops -------------------------------------------------------------
+
+
+def _ln_setup(ctx, inputs, output):
+    input, weight, bias, normalized_shape, eps, memory_efficient, _ = inputs
+    out, mean, invvar = output
+    ctx.normalized_shape = list(normalized_shape)
+    ctx.eps = eps
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+    saved = (out, None) if memory_efficient else (input, mean)
+    ctx.save_for_backward(*saved, invvar, weight, bias)
+
+
+def _ln_backward(ctx, grad_out, _grad_mean, _grad_invvar):
+    x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
+    gi, gw, gb = layer_norm_bwd(
+        grad_out.contiguous(),
+        mean,
+        invvar,
+        x_or_y,
+        ctx.normalized_shape,
+        weight,
+        bias,
+        ctx.eps,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return (
+        gi,
+        gw if ctx.has_weight else None,
+        gb if ctx.has_bias else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _rms_setup(ctx, inputs, output):
+    input, weight, normalized_shape, eps, memory_efficient, _ = inputs
+    out, invvar = output
+    ctx.normalized_shape = list(normalized_shape)
+    ctx.eps = eps
+    ctx.memory_efficient = memory_efficient
+    ctx.input_dtype = input.dtype
+    ctx.has_weight = weight is not None
+    ctx.save_for_backward(out if memory_efficient else input, invvar, weight)
+
+
+def _rms_backward(ctx, grad_out, _grad_invvar):
+    x_or_y, invvar, weight = ctx.saved_tensors
+    gi, gw = rms_norm_bwd(
+        grad_out.contiguous(),
+        invvar,
+        x_or_y,
+        ctx.normalized_shape,
+        weight,
+        ctx.eps,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return gi, gw if ctx.has_weight else None, None, None, None, None
+
+
+if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
+    torch.library.register_autograd(
+        "apex_norm::layer_norm_fwd", _ln_backward, setup_context=_ln_setup, lib=OPS._lib
+    )
+    torch.library.register_autograd(
+        "apex_norm::rms_norm_fwd", _rms_backward, setup_context=_rms_setup, lib=OPS._lib
+    )
+
+
+# -- argument checks ---------------------------------------------------------------------------
+
+
+def _is_dim(d) -> bool:
+    # numbers.Integral: numpy's ints too (apex, through torch.Size, takes them); never a bool.
+    return isinstance(d, (numbers.Integral, torch.SymInt)) and not isinstance(d, bool)
+
+
+def _dim(d):
+    return d if isinstance(d, (int, torch.SymInt)) else operator.index(d)
+
+
+def as_normalized_shape(normalized_shape) -> list[int]:
+    """An int, or a sequence of ints (torch.Size, tuple, list), as a list of ints."""
+    kind = type(normalized_shape)
+    if kind is int:
+        shape = [normalized_shape]
+    elif (kind is torch.Size or kind is tuple or kind is list) and all(
+        type(d) is int for d in normalized_shape
+    ):
+        shape = list(normalized_shape)  # the common case, kept cheap: it runs on every call
+    elif _is_dim(normalized_shape):
+        shape = [_dim(normalized_shape)]
+    elif isinstance(normalized_shape, Sequence) and all(_is_dim(d) for d in normalized_shape):
+        shape = [_dim(d) for d in normalized_shape]
+    else:
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    if not shape or any(d < 0 for d in shape):
+        raise ValueError(
+            f"normalized_shape must be non-empty with no negative size, got {normalized_shape!r}"
+        )
+    return shape
+
+
+def _check_param(name: str, param, input: torch.Tensor, shape: list[int]) -> None:
+    if param is None:
+        return
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(param).__name__}")
+    if param.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {param.dtype}; supported: {_NAMES}")
+    if list(param.shape) != shape:
+        raise ValueError(
+            f"{name} has shape {list(param.shape)} but normalized_shape is {shape}; "
+            f"{name} must have shape normalized_shape"
+        )
+    if param.device != input.device:
+        raise ValueError(
+            f"{name} is on {param.device} but input is on {input.device}; "
+            "they must be on one device"
+        )
+
+
+def validate(input, normalized_shape, weight=None, bias=None) -> list[int]:
+    """Checks the arguments of a norm; returns normalized_shape as a list of ints.
+
+    TypeError for a non-tensor or an unsupported dtype, ValueError for shapes and devices; each
+    message names the argument.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"input has dtype {input.dtype}; supported: {_NAMES}")
+    shape = as_normalized_shape(normalized_shape)
+    k = len(shape)
+    if input.dim() < k or list(input.shape[input.dim() - k :]) != shape:
+        raise ValueError(
+            f"normalized_shape {shape} does not match the trailing dimensions of input with "
+            f"shape {list(input.shape)}: expected input.shape[-{k}:] == {shape}"
+        )
+    _check_param("weight", weight, input, shape)
+    _check_param("bias", bias, input, shape)
+    return shape
+
+
+def output_dtype(
+    input_dtype: torch.dtype, weight_dtype: torch.dtype | None, mixed: bool = False
+) -> torch.dtype:
+    """The dtype of a norm's output (see README, "dtypes").
+
+    - the Mixed* forms (Megatron's rule): the weight's dtype;
+    - the others: the input's dtype, except float32 input with a float16 or bfloat16 weight,
+      which gives the weight's dtype (what HF T5LayerNorm and apex's own ``manual_rms_norm``
+      do, so a half model with a float32 residual stream keeps working).
+    Without a weight: the input's dtype. Any input/weight combination is accepted.
+    """
+    if weight_dtype is None:
+        return input_dtype
+    if mixed:
+        return weight_dtype
+    if input_dtype == torch.float32 and weight_dtype in (torch.float16, torch.bfloat16):
+        return weight_dtype
+    return input_dtype
+
+
+# -- entry points used by the Python API -------------------------------------------------------
+# The CUDA kernels take float32, float16 and bfloat16; float64 on a GPU runs the reference.
+
+
+def _ops(t: torch.Tensor, *others, dtype=None):
+    """The reference for float64 on a GPU (any of the tensors, or the requested output dtype),
+    else the ops."""
+    f64 = torch.float64
+    if t.is_cuda and (
+        t.dtype == f64 or dtype == f64 or any(o is not None and o.dtype == f64 for o in others)
+    ):
+        return reference
+    return torch.ops.apex_norm
+
+
+def layer_norm_fwd(
+    input, weight, bias, normalized_shape, eps, memory_efficient=False, out_dtype=None
+):
+    if weight is not None and bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)  # the kernels read weight and bias in one dtype
+    return _ops(input, weight, bias, dtype=out_dtype).layer_norm_fwd(
+        input, weight, bias, normalized_shape, eps, memory_efficient, out_dtype
+    )
+
+
+def layer_norm_bwd(
+    grad_output,
+    mean,
+    invvar,
+    input_or_output,
+    normalized_shape,
+    weight,
+    bias,
+    eps,
+    memory_efficient=False,
+    grad_input_dtype=None,
+):
+    bias_dtype = bias.dtype if bias is not None else None
+    if weight is not None and bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)
+    gi, gw, gb = _ops(
+        input_or_output, grad_output, weight, bias, dtype=grad_input_dtype
+    ).layer_norm_bwd(
+        grad_output,
+        mean,
+        invvar,
+        input_or_output,
+        normalized_shape,
+        weight,
+        bias,
+        eps,
+        memory_efficient,
+        grad_input_dtype,
+    )
+    if bias_dtype is not None and gb.dtype != bias_dtype:
+        gb = gb.to(bias_dtype)
+    return gi, gw, gb
+
+
+def rms_norm_fwd(input, weight, normalized_shape, eps, memory_efficient=False, out_dtype=None):
+    return _ops(input, weight, dtype=out_dtype).rms_norm_fwd(
+        input, weight, normalized_shape, eps, memory_efficient, out_dtype
+    )
+
+
+def rms_norm_bwd(
+    grad_output,
+    invvar,
+    input_or_output,
+    normalized_shape,
+    weight,
+    eps,
+    memory_efficient=False,
+    grad_input_dtype=None,
+):
+    return _ops(input_or_output, grad_output, weight, dtype=grad_input_dtype).rms_norm_bwd(
+        grad_output,
+        invvar,
+        input_or_output,
+        normalized_shape,
+        weight,
+        eps,
+        memory_efficient,
+        grad_input_dtype,
+    )

@@ -1,0 +1,60 @@
+"""Shared pieces of the norm tests: tolerances, torch oracles, input makers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# (atol, rtol) of a result in each dtype against a float64 oracle, for a correct computation in
+# float32 that rounds once to the dtype; the CUDA tests also apply the 2x rule (STYLE.md).
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+LOW = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, *LOW]
+
+
+def tol(*dtypes: torch.dtype) -> dict:
+    """The loosest tolerance of ``dtypes``, as assert_close keywords."""
+    atol = max(TOLERANCES[d][0] for d in dtypes)
+    rtol = max(TOLERANCES[d][1] for d in dtypes)
+    return {"atol": atol, "rtol": rtol}
+
+
+def grad_tol(H: int, *dtypes: torch.dtype) -> dict:
+    """Weight/bias gradients sum over rows: allow for the length of the sums."""
+    t = tol(*dtypes)
+    return {"atol": t["atol"] * 10, "rtol": t["rtol"] * max(4.0, math.log2(max(H, 2)))}
+
+
+def torch_layer_norm(x, shape, w, b, eps):
+    """The oracle: torch's layer_norm in float64."""
+    return F.layer_norm(
+        x.double(), shape, None if w is None else w.double(), None if b is None else b.double(), eps
+    )
+
+
+def torch_rms_norm(x, shape, w, eps):
+    return F.rms_norm(x.double(), shape, None if w is None else w.double(), eps)
+
+
+def make(shape, dtype, device="cpu", requires_grad=False, scale=1.0, shift=0.0):
+    t = torch.randn(shape, dtype=torch.float32, device=device) * scale + shift
+    return t.to(dtype).requires_grad_(requires_grad)
+
+
+def param(shape, dtype, device="cpu"):
+    """A weight or bias away from zero (memory_efficient divides by the weight)."""
+    t = (torch.rand(shape, device=device) + 0.5) * torch.where(
+        torch.rand(shape, device=device) < 0.5, -1.0, 1.0
+    )
+    return t.to(dtype).requires_grad_(True)
+
+
+def grads(out, inputs, seed_grad):
+    return torch.autograd.grad(out, [t for t in inputs if t is not None], seed_grad)

@@ -1,0 +1,353 @@
+"""FusedLayerNorm and its functional forms against torch's layer_norm (CPU: the reference path)
+and, under the ``cuda`` marker, the CUDA kernels against the reference and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from norm_testing import DTYPES, LOW, grad_tol, make, param, tol, torch_layer_norm
+
+from apex.normalization import FusedLayerNorm, MixedFusedLayerNorm
+from apex.normalization import reference as ref
+from apex.normalization.fused_layer_norm import (
+    FusedLayerNormAffineFunction,
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    mixed_dtype_fused_layer_norm_affine,
+)
+
+SHAPES = [  # (input shape, normalized_shape)
+    ((4, 32), (32,)),
+    ((3, 5, 7), (7,)),
+    ((2, 3, 5, 7), (5, 7)),
+    ((6, 1), (1,)),
+    ((5, 129), (129,)),
+]
+
+
+def run(x, w, b, shape, eps, memory_efficient):
+    if w is None and b is None:
+        return fused_layer_norm(x, shape, eps, memory_efficient)
+    return fused_layer_norm_affine(x, w, b, shape, eps, memory_efficient)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("xshape,shape", SHAPES)
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient):
+    x = make(xshape, dtype, requires_grad=True)
+    w = param(shape, dtype) if affine in ("both", "weight") else None
+    b = param(shape, dtype) if affine in ("both", "bias") else None
+    y = run(x, w, b, shape, 1e-5, memory_efficient)
+    assert y.dtype == dtype and y.shape == x.shape
+    expected = torch_layer_norm(x, shape, w, b, 1e-5)
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy)
+    want = torch.autograd.grad(expected, [t for t in (x, w, b) if t is not None], dy.double())
+    torch.testing.assert_close(got[0].double(), want[0].double(), **tol(dtype, torch.float16))
+    for g, e in zip(got[1:], want[1:]):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), e.double(), **grad_tol(shape[-1], dtype))
+
+
+def test_module_matches_nn_layernorm_and_state_dict():
+    x = make((8, 4, 16), torch.float32, requires_grad=True)
+    ours, theirs = FusedLayerNorm(16), torch.nn.LayerNorm(16)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16))
+        theirs.bias.copy_(torch.randn(16))
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+    ours(x).square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    theirs(x).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
+
+
+def test_bias_false_has_weight_only():
+    m = FusedLayerNorm(16, bias=False)
+    assert m.bias is None and list(m.state_dict()) == ["weight"]
+    x = make((4, 16), torch.float32)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(16))
+    torch.testing.assert_close(m(x), F.layer_norm(x, (16,), m.weight, None, 1e-5))
+
+
+def test_zero_rows():
+    x = make((0, 3, 16), torch.float32, requires_grad=True)
+    m = FusedLayerNorm(16)
+    y = m(x)
+    assert y.shape == (0, 3, 16)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(m.weight.grad, torch.zeros(16))
+    assert torch.equal(m.bias.grad, torch.zeros(16))
+
+
+def test_non_contiguous_input():
+    base = make((16, 8), torch.float32)
+    x = base.t().requires_grad_(True)  # (8, 16), strides (1, 8)
+    assert not x.is_contiguous()
+    w, b = param((16,), torch.float32), param((16,), torch.float32)
+    y = fused_layer_norm_affine(x, w, b, (16,), 1e-5)
+    torch.testing.assert_close(y, F.layer_norm(x, (16,), w, b, 1e-5))
+    (gx,) = torch.autograd.grad(y.sum(), [x])
+    (ex,) = torch.autograd.grad(F.layer_norm(x, (16,), w, b, 1e-5).sum(), [x])
+    torch.testing.assert_close(gx, ex)
+
+
+def test_gradcheck_float64():
+    x = make((3, 2, 5), torch.float64, requires_grad=True)
+    w, b = param((2, 5), torch.float64), param((2, 5), torch.float64)
+    for mem in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x, w, b, mem=mem: fused_layer_norm_affine(x, w, b, (2, 5), 1e-5, mem), (x, w, b)
+        )
+    assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, (5,), 1e-5), (x,))
+
+
+def test_memory_efficient_saves_the_output():
+    x = make((4, 16), torch.float32, requires_grad=True)
+    w, b = param((16,), torch.float32), param((16,), torch.float32)
+    for mem, saved_input in ((False, True), (True, False)):
+        y = FusedLayerNormAffineFunction.apply(x, w, b, torch.Size([16]), 1e-5, mem)
+        saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+        assert any(t.data_ptr() == x.data_ptr() for t in saved) == saved_input
+        assert any(t.data_ptr() == y.data_ptr() for t in saved) == (not saved_input)
+
+
+@pytest.mark.parametrize(
+    "xdtype,wdtype,out",
+    [
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+        (torch.float16, torch.bfloat16, torch.float16),
+        (torch.float32, torch.float64, torch.float32),
+    ],
+)
+def test_mixed_input_and_weight_dtypes(xdtype, wdtype, out):
+    x = make((4, 32), xdtype, requires_grad=True)
+    w, b = param((32,), wdtype), param((32,), wdtype)
+    y = fused_layer_norm_affine(x, w, b, (32,), 1e-5)
+    assert y.dtype == out
+    torch.testing.assert_close(
+        y.double(), torch_layer_norm(x, (32,), w, b, 1e-5), **tol(out, xdtype, wdtype)
+    )
+    gx, gw, gb = torch.autograd.grad(y.float().sum(), [x, w, b])
+    assert (gx.dtype, gw.dtype, gb.dtype) == (xdtype, wdtype, wdtype)
+
+
+def test_weight_and_bias_of_different_dtypes(device="cpu"):
+    x = make((4, 32), torch.float32, device, requires_grad=True)
+    w, b = param((32,), torch.bfloat16, device), param((32,), torch.float32, device)
+    y = fused_layer_norm_affine(x, w, b, (32,), 1e-5)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        y.double(), torch_layer_norm(x, (32,), w, b.bfloat16(), 1e-5), **tol(torch.bfloat16)
+    )
+    gx, gw, gb = torch.autograd.grad(y.float().sum(), [x, w, b])
+    assert (gx.dtype, gw.dtype, gb.dtype) == (torch.float32, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_mixed_forms_give_the_weight_dtype(xdtype):
+    m = MixedFusedLayerNorm(32, 1e-5, sequence_parallel_enbaled=False).to(torch.float16)
+    x = make((4, 32), xdtype)
+    assert m(x).dtype == torch.float16
+    w = param((32,), torch.float32)
+    assert mixed_dtype_fused_layer_norm_affine(x, w, None, (32,)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_autocast_casts_to_the_autocast_dtype(dtype):
+    m = FusedLayerNorm(32)  # float32 parameters
+    x = make((4, 32), torch.float32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = m(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(
+        y.double(), torch_layer_norm(x.to(dtype), (32,), None, None, 1e-5), **tol(dtype)
+    )
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
+
+
+def test_reference_statistics_are_per_row_float32():
+    x = make((2, 3, 8), torch.bfloat16)
+    out, mean, invvar = ref.layer_norm_fwd(x, None, None, [8], 1e-5)
+    assert mean.shape == invvar.shape == (6,)
+    assert mean.dtype == invvar.dtype == torch.float32
+    xf = x.float().reshape(6, 8)
+    torch.testing.assert_close(mean, xf.mean(1))
+    torch.testing.assert_close(invvar, torch.rsqrt(xf.var(1, unbiased=False) + 1e-5))
+
+
+# -- CUDA: the kernels against the reference and against torch ---------------------------------
+
+CUDA_H = [1, 7, 8, 64, 100, 1000, 1024, 2048, 4104, 8192, 16384, 32768, 65536, 65539]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", CUDA_H)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_cuda_matches_reference(H, dtype, affine, memory_efficient):
+    rows = 37 if H <= 8192 else 5
+    x = make((rows, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w = param((H,), dtype, "cuda") if affine in ("both", "weight") else None
+    b = param((H,), dtype, "cuda") if affine in ("both", "bias") else None
+    y = run(x, w, b, (H,), 1e-5, memory_efficient)
+    ins = [t for t in (x, w, b) if t is not None]
+    xc = x.detach().cpu().requires_grad_(True)
+    wc = w.detach().cpu().requires_grad_(True) if w is not None else None
+    bc = b.detach().cpu().requires_grad_(True) if b is not None else None
+    expected = torch_layer_norm(xc, (H,), wc, bc, 1e-5)
+    torch.testing.assert_close(y.double().cpu(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, ins, dy)
+    want = torch.autograd.grad(
+        expected, [t for t in (xc, wc, bc) if t is not None], dy.double().cpu()
+    )
+    torch.testing.assert_close(got[0].double().cpu(), want[0].double(), **tol(dtype, torch.float16))
+    for g, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g.double().cpu(), e.double(), **grad_tol(H, dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("H", [1024, 4096])
+def test_cuda_two_x_rule_against_torch(dtype, H):
+    """Our low-precision error vs a float64 oracle is at most 2x torch's own (STYLE.md)."""
+    x = make((256, H), dtype, "cuda", scale=3.0, shift=1.0)
+    w, b = param((H,), dtype, "cuda"), param((H,), dtype, "cuda")
+    oracle = torch_layer_norm(x, (H,), w, b, 1e-5)
+    ours = (fused_layer_norm_affine(x, w, b, (H,), 1e-5).double() - oracle).abs().max()
+    theirs = (F.layer_norm(x, (H,), w, b, 1e-5).double() - oracle).abs().max()
+    assert ours <= 2 * theirs + 1e-6
+
+
+@pytest.mark.cuda
+def test_cuda_unaligned_and_non_contiguous():
+    base = make((33, 4097), torch.bfloat16, "cuda")
+    x = base[:, 1:].requires_grad_(True)  # non-contiguous: the op works on a (fresh) copy
+    w = param((4096,), torch.bfloat16, "cuda")
+    y = fused_layer_norm_affine(x, w, None, (4096,), 1e-5)
+    torch.testing.assert_close(
+        y.double(), torch_layer_norm(x, (4096,), w, None, 1e-5), **tol(torch.bfloat16)
+    )
+    # Contiguous but 2 bytes off a 16-byte boundary (no copy is made): the scalar kernels,
+    # though H is a multiple of the vector width; weight misaligned the same way.
+    flat = make((33 * 4096 + 1,), torch.bfloat16, "cuda")
+    x = flat[1:].view(33, 4096).requires_grad_(True)
+    w = make((4097,), torch.bfloat16, "cuda", shift=1.0)[1:].requires_grad_(True)
+    b = param((4096,), torch.bfloat16, "cuda")
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0 and w.data_ptr() % 16 != 0
+    y = fused_layer_norm_affine(x, w, b, (4096,), 1e-5)
+    xc, wc, bc = (t.detach().cpu().requires_grad_(True) for t in (x, w, b))
+    expected = torch_layer_norm(xc, (4096,), wc, bc, 1e-5)
+    torch.testing.assert_close(y.double().cpu(), expected, **tol(torch.bfloat16))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w, b], dy)
+    want = torch.autograd.grad(expected, [xc, wc, bc], dy.double().cpu())
+    torch.testing.assert_close(got[0].double().cpu(), want[0].double(), **tol(torch.bfloat16))
+    for g, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g.double().cpu(), e.double(), **grad_tol(4096, torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "xdtype,wdtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.float64),  # float64 anywhere: the reference, on the GPU
+    ],
+)
+def test_cuda_mixed_dtypes(xdtype, wdtype):
+    x = make((64, 1024), xdtype, "cuda", requires_grad=True)
+    w, b = param((1024,), wdtype, "cuda"), param((1024,), wdtype, "cuda")
+    for fn in (fused_layer_norm_affine, mixed_dtype_fused_layer_norm_affine):
+        y = fn(x, w, b, (1024,), 1e-5)
+        torch.testing.assert_close(
+            y.double(), torch_layer_norm(x, (1024,), w, b, 1e-5), **tol(y.dtype, xdtype)
+        )
+        gx, gw, gb = torch.autograd.grad(y.float().sum(), [x, w, b])
+        assert (gx.dtype, gw.dtype, gb.dtype) == (xdtype, wdtype, wdtype)
+
+
+@pytest.mark.cuda
+def test_cuda_weight_and_bias_of_different_dtypes():
+    test_weight_and_bias_of_different_dtypes("cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_zero_rows_and_float64():
+    m = FusedLayerNorm(64).cuda()
+    x = torch.empty(0, 64, device="cuda", requires_grad=True)
+    m(x).sum().backward()
+    assert torch.equal(m.weight.grad, torch.zeros(64, device="cuda"))
+    xd = make((4, 64), torch.float64, "cuda")
+    md = FusedLayerNorm(64).cuda().double()
+    torch.testing.assert_close(md(xd), F.layer_norm(xd, (64,), md.weight, md.bias))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_on_the_second_device():
+    m = FusedLayerNorm(1024).to("cuda:1")
+    x = make((64, 1024), torch.float32, "cuda:1", requires_grad=True)
+    torch.cuda.set_device(0)
+    y = m(x)
+    assert y.device == x.device
+    torch.testing.assert_close(y, F.layer_norm(x, (1024,), m.weight, m.bias))
+    y.sum().backward()
+    assert x.grad.device == x.device
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_are_loaded():
+    from apex.normalization import ops
+
+    assert ops.OPS.ensure_loaded(), "apex_norm_C did not load: the CUDA tests ran the reference"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_over_two_to_the_31_elements():
+    """64-bit indexing: rows past element 2^31 are normalised, and their gradients are right."""
+    H = 4096
+    rows = 2**31 // H + 3
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    w = param((H,), torch.bfloat16, "cuda")
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+
+    for fn, oracle in (
+        (
+            lambda t: fused_layer_norm_affine(t, w, None, (H,), 1e-5),
+            lambda t: torch_layer_norm(t, (H,), w, None, 1e-5),
+        ),
+        (
+            lambda t: fused_rms_norm_affine(t, w, (H,), 1e-5),
+            lambda t: F.rms_norm(t.double(), (H,), w.double(), 1e-5),
+        ),
+    ):
+        y = fn(x)
+        tail = x[-4:].detach().requires_grad_(True)
+        torch.testing.assert_close(y[-4:].double(), oracle(tail), **tol(torch.bfloat16))
+        dy = torch.zeros_like(y)
+        dy[-4:] = torch.randn_like(dy[-4:])
+        (gx,) = torch.autograd.grad(y, [x], dy)
+        (ex,) = torch.autograd.grad(oracle(tail), [tail], dy[-4:].double())
+        torch.testing.assert_close(gx[-4:].double(), ex.double(), **tol(torch.bfloat16))
+        assert not gx[:-4].any()
+        del y, dy, gx

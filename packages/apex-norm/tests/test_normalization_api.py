@@ -1,0 +1,359 @@
+"""apex.normalization's API as clients use it: signatures, attributes, Mixed* keywords, the
+legacy fused_layer_norm_cuda module, bad input, the ops under opcheck, torch.compile and ONNX."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from norm_testing import make, param
+
+import apex.normalization as norm
+from apex.normalization import fused_layer_norm as fln
+from apex.normalization import ops
+
+
+def test_exports_and_class_names():
+    assert {"FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"} <= set(
+        norm.__all__
+    )
+    assert norm.FusedRMSNorm.__name__ == "FusedRMSNorm"  # ColossalAI asserts it
+    assert fln.FusedLayerNorm is norm.FusedLayerNorm
+
+
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (
+            fln.FusedLayerNormAffineFunction.forward,
+            ["ctx", "input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"],
+        ),
+        (
+            fln.FusedLayerNormFunction.forward,
+            ["ctx", "input", "normalized_shape", "eps", "memory_efficient"],
+        ),
+        (
+            fln.FusedRMSNormAffineFunction.forward,
+            ["ctx", "input", "weight", "normalized_shape", "eps", "memory_efficient"],
+        ),
+        (
+            fln.FusedRMSNormFunction.forward,
+            ["ctx", "input", "normalized_shape", "eps", "memory_efficient"],
+        ),
+        (
+            fln.FusedLayerNormAffineMixedDtypesFunction.forward,
+            ["ctx", "input", "weight", "bias", "normalized_shape", "eps", "memory_efficient"],
+        ),
+        (
+            fln.FusedRMSNormAffineMixedDtypesFunction.forward,
+            ["ctx", "input", "weight", "normalized_shape", "eps", "memory_efficient"],
+        ),
+    ],
+)
+def test_function_forward_argument_lists(fn, args):
+    # Megatron-LM and gpt-neox check 'memory_efficient' in getfullargspec(...).args.
+    assert inspect.getfullargspec(fn).args == args
+
+
+@pytest.mark.parametrize(
+    "fn,defaults",
+    [
+        (fln.fused_layer_norm_affine, {"eps": 1e-6, "memory_efficient": False}),
+        (fln.fused_layer_norm, {"eps": 1e-6, "memory_efficient": False}),
+        (fln.fused_rms_norm_affine, {"eps": 1e-6, "memory_efficient": False}),
+        (fln.fused_rms_norm, {"eps": 1e-6, "memory_efficient": False}),
+        (fln.mixed_dtype_fused_layer_norm_affine, {"eps": 1e-6, "memory_efficient": False}),
+        (fln.mixed_dtype_fused_rms_norm_affine, {"eps": 1e-6, "memory_efficient": False}),
+        (
+            norm.FusedLayerNorm.__init__,
+            {"eps": 1e-5, "elementwise_affine": True, "memory_efficient": False},
+        ),
+        (
+            norm.FusedRMSNorm.__init__,
+            {"eps": 1e-5, "elementwise_affine": True, "memory_efficient": False},
+        ),
+        (norm.MixedFusedLayerNorm.__init__, {"eps": 1e-5, "memory_efficient": False}),
+    ],
+)
+def test_defaults(fn, defaults):
+    params = inspect.signature(fn).parameters
+    assert {k: params[k].default for k in defaults} == defaults
+
+
+def test_module_attributes():
+    m = norm.FusedLayerNorm(8)
+    assert m.normalized_shape == torch.Size([8])
+    assert (m.eps, m.elementwise_affine, m.memory_efficient) == (1e-5, True, False)
+    assert torch.equal(m.weight, torch.ones(8)) and torch.equal(m.bias, torch.zeros(8))
+    assert repr(m) == "FusedLayerNorm(torch.Size([8]), eps=1e-05, elementwise_affine=True)"
+    n = norm.FusedLayerNorm((2, 3), elementwise_affine=False)
+    assert n.weight is None and n.bias is None and list(n.state_dict()) == []
+    r = norm.FusedRMSNorm([4, 5], eps=1e-6, memory_efficient=True)
+    assert r.normalized_shape == torch.Size([4, 5]) and list(r.state_dict()) == ["weight"]
+    assert r.memory_efficient
+
+
+def test_numpy_ints_as_normalized_shape():
+    """apex builds torch.Size(normalized_shape), which takes numpy ints (configs read by numpy)."""
+    np = pytest.importorskip("numpy")
+    m = norm.FusedLayerNorm(np.int64(8))
+    assert m.normalized_shape == torch.Size([8]) and type(m.normalized_shape[0]) is int
+    r = norm.FusedRMSNorm([np.int32(2), 4])
+    assert r.normalized_shape == torch.Size([2, 4])
+    x = make((3, 2, 4), torch.float32)
+    torch.testing.assert_close(r(x), F.rms_norm(x, (2, 4), r.weight, 1e-5))
+    y = fln.fused_layer_norm(x, (np.int64(2), np.int64(4)))
+    torch.testing.assert_close(y, F.layer_norm(x, (2, 4), eps=1e-6))
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):
+        norm.FusedLayerNorm((True, 4))
+
+
+def test_mixed_keywords():
+    # NeMo passes a misspelled keyword that apex ignores.
+    m = norm.MixedFusedLayerNorm(16, 1e-5, sequence_parallel_enbaled=True)
+    assert m.elementwise_affine and m.bias is not None
+    with pytest.warns(UserWarning, match="elementwise_affine"):
+        norm.MixedFusedRMSNorm(16, elementwise_affine=True)
+    with pytest.raises(RuntimeError, match="elementwise_affine=False"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            norm.MixedFusedLayerNorm(16, elementwise_affine=False)
+
+
+def test_megatron_call():
+    x = make((4, 2, 16), torch.float32, requires_grad=True)
+    w, b = param((16,), torch.float32), param((16,), torch.float32)
+    y = fln.FusedLayerNormAffineFunction.apply(x, w + 1, b, torch.Size([16]), 1e-5, True)
+    torch.testing.assert_close(y, F.layer_norm(x, (16,), w + 1, b, 1e-5))
+    y.sum().backward()
+    assert w.grad is not None and b.grad is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_legacy_extension_module(device):
+    flc = importlib.import_module("fused_layer_norm_cuda")
+    x = make((6, 16), torch.float32, device, requires_grad=True)
+    w, b = param((16,), torch.float32, device), param((16,), torch.float32, device)
+    out, mean, invvar = flc.forward_affine(x.detach(), (16,), w.detach(), b.detach(), 1e-5)
+    expected = F.layer_norm(x, (16,), w, b, 1e-5)
+    torch.testing.assert_close(out, expected.detach())
+    dy = torch.randn_like(out)
+    want = torch.autograd.grad(expected, [x, w, b], dy)
+    # 8-argument form (pre-2023 callers) and 9-argument forms, input or output saved.
+    for got in (
+        flc.backward_affine(dy, mean, invvar, x.detach(), (16,), w.detach(), b.detach(), 1e-5),
+        flc.backward_affine(dy, None, invvar, out, (16,), w.detach(), b.detach(), 1e-5, True),
+    ):
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    out, invvar = flc.rms_forward_affine(x.detach(), (16,), w.detach(), 1e-5)
+    expected = F.rms_norm(x, (16,), w, 1e-5)
+    torch.testing.assert_close(out, expected.detach())
+    want = torch.autograd.grad(expected, [x, w], dy)
+    got = flc.rms_backward_affine(dy, invvar, out, (16,), w.detach(), 1e-5, True)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    gi = flc.rms_backward(dy, flc.rms_forward(x.detach(), (16,), 1e-5)[1], x.detach(), (16,), 1e-5)
+    torch.testing.assert_close(
+        gi, torch.autograd.grad(F.rms_norm(x, (16,), None, 1e-5), [x], dy)[0]
+    )
+    o16, _, _ = flc.forward_affine_mixed_dtypes(
+        x.detach(), (16,), w.detach().half(), b.detach().half(), 1e-5
+    )
+    assert o16.dtype == torch.float16
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_normalized_shape_not_matching_input():
+    with pytest.raises(
+        ValueError,
+        match=r"normalized_shape \[5\] does not match the trailing dimensions of input with shape \[2, 4\]",
+    ):
+        norm.FusedLayerNorm(5)(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fln.fused_rms_norm(torch.randn(3), (2, 3))
+
+
+def test_weight_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"weight has shape \[3\] but normalized_shape is \[4\]"):
+        fln.fused_layer_norm_affine(torch.randn(2, 4), torch.ones(3), torch.zeros(4), (4,))
+    with pytest.raises(ValueError, match=r"bias has shape \[5\]"):
+        fln.fused_layer_norm_affine(torch.randn(2, 4), torch.ones(4), torch.zeros(5), (4,))
+
+
+def test_integer_input():
+    with pytest.raises(TypeError, match=r"input has dtype torch.int64; supported"):
+        norm.FusedRMSNorm(4)(torch.arange(8).reshape(2, 4))
+    with pytest.raises(TypeError, match=r"weight has dtype torch.int32"):
+        fln.fused_rms_norm_affine(torch.randn(2, 4), torch.ones(4, dtype=torch.int32), (4,))
+
+
+def test_bad_normalized_shape_values():
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):
+        fln.fused_layer_norm(torch.randn(2, 4), "4")
+    with pytest.raises(ValueError, match="non-empty"):
+        fln.fused_layer_norm(torch.randn(2, 4), ())
+
+
+def test_weight_on_another_device():
+    w = torch.ones(4, device="meta")
+    with pytest.raises(ValueError, match="weight is on meta but input is on cpu"):
+        fln.fused_rms_norm_affine(torch.randn(2, 4), w, (4,))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_legacy_backward_without_mean_needs_memory_efficient(device):
+    """LayerNorm's x-hat needs the mean unless it is recovered from the output."""
+    flc = importlib.import_module("fused_layer_norm_cuda")
+    x = make((6, 16), torch.float32, device)
+    w, b = param((16,), torch.float32, device).detach(), param((16,), torch.float32, device)
+    out, mean, invvar = flc.forward_affine(x, (16,), w, b.detach(), 1e-5)
+    with pytest.raises(ValueError, match=r"mean must hold one value per row \(6\)"):
+        flc.backward_affine(torch.randn_like(out), None, invvar, x, (16,), w, b.detach(), 1e-5)
+    with pytest.raises(ValueError, match="unless memory_efficient"):
+        flc.backward(torch.randn_like(out), None, invvar, x, (16,), 1e-5, False)
+
+
+# -- ops: opcheck, compile, export ---------------------------------------------------------------
+
+
+def _op_samples(device="cpu"):
+    x = make((3, 4, 16), torch.float32, device, requires_grad=True)
+    w, b = param((16,), torch.float32, device), param((16,), torch.float32, device)
+    xb = make((5, 8), torch.bfloat16, device)
+    return [
+        (torch.ops.apex_norm.layer_norm_fwd, (x, w, b, [16], 1e-5, False, None)),
+        (torch.ops.apex_norm.layer_norm_fwd, (x, None, None, [4, 16], 1e-5, True, torch.bfloat16)),
+        (torch.ops.apex_norm.layer_norm_fwd, (xb, None, None, [8], 1e-5, False, None)),
+        (torch.ops.apex_norm.rms_norm_fwd, (x, w, [16], 1e-5, False, None)),
+        (torch.ops.apex_norm.rms_norm_fwd, (xb, None, [8], 1e-6, True, torch.float32)),
+    ]
+
+
+def _bwd_samples(device="cpu"):
+    x = make((6, 16), torch.float32, device)
+    w, b = (
+        param((16,), torch.float32, device).detach(),
+        param((16,), torch.float32, device).detach(),
+    )
+    dy = torch.randn_like(x)
+    out, mean, invvar = ops.layer_norm_fwd(x, w, b, [16], 1e-5)
+    rout, rinv = ops.rms_norm_fwd(x, w, [16], 1e-5)
+    return [
+        (torch.ops.apex_norm.layer_norm_bwd, (dy, mean, invvar, x, [16], w, b, 1e-5, False, None)),
+        (
+            torch.ops.apex_norm.layer_norm_bwd,
+            (dy, None, invvar, out, [16], w, b, 1e-5, True, torch.bfloat16),
+        ),
+        (
+            torch.ops.apex_norm.layer_norm_bwd,
+            (dy, mean, invvar, x, [16], None, None, 1e-5, False, None),
+        ),
+        (torch.ops.apex_norm.rms_norm_bwd, (dy, rinv, x, [16], w, 1e-5, False, None)),
+        (torch.ops.apex_norm.rms_norm_bwd, (dy, rinv, rout, [16], None, 1e-5, True, None)),
+    ]
+
+
+def test_opcheck_cpu():
+    for op, args in _op_samples() + _bwd_samples():
+        torch.library.opcheck(op, args)
+
+
+def test_forward_ops_are_differentiable():
+    x = make((3, 16), torch.float32, requires_grad=True)
+    w = param((16,), torch.float32)
+    out, _, _ = torch.ops.apex_norm.layer_norm_fwd(x, w, None, [16], 1e-5, False, None)
+    gx, gw = torch.autograd.grad(out.square().sum(), [x, w])
+    ex, ew = torch.autograd.grad(F.layer_norm(x, (16,), w, None, 1e-5).square().sum(), [x, w])
+    torch.testing.assert_close((gx, gw), (ex, ew))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, h=32):
+        super().__init__()
+        self.ln = norm.FusedLayerNorm(h)
+        self.lin = torch.nn.Linear(h, h)
+        self.rms = norm.FusedRMSNorm(h, memory_efficient=True)
+        self.mixed = norm.MixedFusedLayerNorm(h)
+
+    def forward(self, x):
+        return self.mixed(self.rms(self.lin(self.ln(x))))
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    model = _Block()
+    x = make((4, 8, 32), torch.float32, requires_grad=True)
+    eager = model(x)
+    (ge,) = torch.autograd.grad(eager.sum(), [x])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    (gc,) = torch.autograd.grad(out.sum(), [x])
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge)
+
+
+def test_onnx_export(tmp_path):
+    pytest.importorskip("onnxscript")
+    model = _Block().eval()
+    torch.onnx.export(model, (torch.randn(2, 32),), str(tmp_path / "norm.onnx"), dynamo=True)
+    onnx = pytest.importorskip("onnx")
+    graph = onnx.load(str(tmp_path / "norm.onnx")).graph
+    # Standard operators only: no custom apex_norm domain left for a runtime to resolve.
+    assert graph.node and all(n.domain in ("", "ai.onnx") for n in graph.node), {
+        (n.domain, n.op_type) for n in graph.node
+    }
+
+
+# -- CUDA: the ops with their kernels --------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_opcheck_cuda():
+    for op, args in _op_samples("cuda") + _bwd_samples("cuda"):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.cuda
+def test_compile_fullgraph_cuda_inductor():
+    torch._dynamo.reset()
+    model = _Block(1024).cuda()
+    x = make((64, 1024), torch.float32, "cuda", requires_grad=True)
+    eager = model(x)
+    (ge,) = torch.autograd.grad(eager.sum(), [x])
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    (gc,) = torch.autograd.grad(out.sum(), [x])
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    m = norm.FusedRMSNorm(1024).cuda()
+    x = make((64, 1024), torch.float32, "cuda")
+    m(x)  # load the kernels outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = m(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(y, F.rms_norm(x, (1024,), m.weight, 1e-5))
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_gives_the_autocast_dtype():
+    m = norm.FusedLayerNorm(256).cuda()
+    x = make((8, 256), torch.float32, "cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32

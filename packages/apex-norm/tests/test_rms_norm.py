@@ -1,0 +1,192 @@
+"""FusedRMSNorm and its functional forms against torch's rms_norm (CPU: the reference path) and,
+under the ``cuda`` marker, the CUDA kernels against the reference and torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from norm_testing import DTYPES, LOW, grad_tol, make, param, tol, torch_rms_norm
+
+from apex.normalization import FusedRMSNorm, MixedFusedRMSNorm
+from apex.normalization.fused_layer_norm import (
+    FusedRMSNormAffineFunction,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    manual_rms_norm,
+    mixed_dtype_fused_rms_norm_affine,
+)
+
+# RMSNorm of a 1-element row outputs +-weight: x-hat recovered from a 16-bit output leaves
+# grad_input (exactly 0) to cancellation, scaled by 1/|x|.
+ILL_CONDITIONED = "memory_efficient, 16-bit, H=1: grad_input is a cancellation to 0"
+
+SHAPES = [
+    ((4, 32), (32,)),
+    ((3, 5, 7), (7,)),
+    ((2, 3, 5, 7), (5, 7)),
+    ((6, 1), (1,)),
+    ((5, 129), (129,)),
+]
+
+
+def run(x, w, shape, eps, memory_efficient):
+    if w is None:
+        return fused_rms_norm(x, shape, eps, memory_efficient)
+    return fused_rms_norm_affine(x, w, shape, eps, memory_efficient)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("xshape,shape", SHAPES)
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient):
+    if memory_efficient and dtype in LOW and shape == (1,):
+        pytest.skip(ILL_CONDITIONED)
+    x = make(xshape, dtype, requires_grad=True)
+    w = param(shape, dtype) if affine else None
+    y = run(x, w, shape, 1e-5, memory_efficient)
+    assert y.dtype == dtype and y.shape == x.shape
+    expected = torch_rms_norm(x, shape, w, 1e-5)
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    ins = [t for t in (x, w) if t is not None]
+    got = torch.autograd.grad(y, ins, dy)
+    want = torch.autograd.grad(expected, ins, dy.double())
+    torch.testing.assert_close(got[0].double(), want[0].double(), **tol(dtype, torch.float16))
+    if affine:
+        assert got[1].dtype == dtype
+        torch.testing.assert_close(got[1].double(), want[1].double(), **grad_tol(shape[-1], dtype))
+
+
+def test_module_matches_nn_rmsnorm_and_state_dict():
+    x = make((8, 4, 16), torch.float32, requires_grad=True)
+    ours, theirs = FusedRMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16))
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+    ours(x).square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    theirs(x).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+
+
+def test_gradcheck_float64():
+    x = make((3, 2, 5), torch.float64, requires_grad=True)
+    w = param((2, 5), torch.float64)
+    for mem in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda x, w, mem=mem: fused_rms_norm_affine(x, w, (2, 5), 1e-5, mem), (x, w)
+        )
+    assert torch.autograd.gradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (x,))
+
+
+def test_zero_rows_and_non_contiguous():
+    m = FusedRMSNorm(16)
+    x = make((0, 16), torch.float32, requires_grad=True)
+    m(x).sum().backward()
+    assert torch.equal(m.weight.grad, torch.zeros(16))
+    xt = make((16, 8), torch.float32).t()
+    torch.testing.assert_close(m(xt), F.rms_norm(xt, (16,), m.weight, 1e-5))
+
+
+def test_memory_efficient_saves_the_output():
+    x = make((4, 16), torch.float32, requires_grad=True)
+    w = param((16,), torch.float32)
+    y = FusedRMSNormAffineFunction.apply(x, w, torch.Size([16]), 1e-5, True)
+    assert any(t.data_ptr() == y.data_ptr() for t in y.grad_fn.saved_tensors if t is not None)
+    assert not any(t.data_ptr() == x.data_ptr() for t in y.grad_fn.saved_tensors if t is not None)
+
+
+def test_t5_rule_float32_input_half_weight():
+    """fp32 residual with a bf16 weight (HF T5 in bf16): bf16 out, as T5LayerNorm gives."""
+    m = FusedRMSNorm(32, eps=1e-6).to(torch.bfloat16)
+    x = make((4, 32), torch.float32)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, manual_rms_norm(x, (32,), m.weight, 1e-6), **tol(torch.bfloat16))
+
+
+def test_mixed_forms_give_the_weight_dtype():
+    m = MixedFusedRMSNorm(32, eps=1e-5).to(torch.float16)
+    assert m(make((4, 32), torch.float32)).dtype == torch.float16
+    w = param((32,), torch.float32)
+    assert (
+        mixed_dtype_fused_rms_norm_affine(make((4, 32), torch.bfloat16), w, (32,)).dtype
+        == torch.float32
+    )
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_autocast_casts_to_the_autocast_dtype(dtype):
+    m = FusedRMSNorm(32)
+    x = make((4, 32), torch.float32, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = m(x)
+    assert y.dtype == dtype
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
+
+
+def test_manual_rms_norm_matches_torch():
+    x = make((4, 3, 8), torch.float32)
+    w = param((3, 8), torch.float32)
+    torch.testing.assert_close(manual_rms_norm(x, (3, 8), w, 1e-5), F.rms_norm(x, (3, 8), w, 1e-5))
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+
+CUDA_H = [1, 7, 8, 64, 100, 1000, 1024, 2048, 4104, 8192, 16384, 32768, 65536, 65539]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", CUDA_H)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_cuda_matches_reference(H, dtype, affine, memory_efficient):
+    if memory_efficient and dtype in LOW and H == 1:
+        pytest.skip(ILL_CONDITIONED)
+    rows = 37 if H <= 8192 else 5
+    x = make((rows, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w = param((H,), dtype, "cuda") if affine else None
+    y = run(x, w, (H,), 1e-5, memory_efficient)
+    xc = x.detach().cpu().requires_grad_(True)
+    wc = w.detach().cpu().requires_grad_(True) if affine else None
+    expected = torch_rms_norm(xc, (H,), wc, 1e-5)
+    torch.testing.assert_close(y.double().cpu(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [t for t in (x, w) if t is not None], dy)
+    want = torch.autograd.grad(expected, [t for t in (xc, wc) if t is not None], dy.double().cpu())
+    torch.testing.assert_close(got[0].double().cpu(), want[0].double(), **tol(dtype, torch.float16))
+    if affine:
+        torch.testing.assert_close(got[1].double().cpu(), want[1].double(), **grad_tol(H, dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("H", [1024, 4096])
+def test_cuda_two_x_rule_against_torch(dtype, H):
+    x = make((256, H), dtype, "cuda", scale=3.0, shift=1.0)
+    w = param((H,), dtype, "cuda")
+    oracle = torch_rms_norm(x, (H,), w, 1e-5)
+    ours = (fused_rms_norm_affine(x, w, (H,), 1e-5).double() - oracle).abs().max()
+    theirs = (F.rms_norm(x, (H,), w, 1e-5).double() - oracle).abs().max()
+    assert ours <= 2 * theirs + 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_on_the_second_device():
+    m = FusedRMSNorm(1024).to("cuda:1")
+    x = make((64, 1024), torch.bfloat16, "cuda:1", requires_grad=True)
+    torch.cuda.set_device(0)
+    y = m.to(torch.bfloat16)(x)
+    torch.testing.assert_close(
+        y.double(), torch_rms_norm(x, (1024,), m.weight, 1e-5), **tol(torch.bfloat16)
+    )
+    y.float().sum().backward()
+    assert x.grad.device == x.device

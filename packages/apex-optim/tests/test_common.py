@@ -1,0 +1,197 @@
+"""What every fused optimizer shares: bad input, torch's keywords, zero_grad, the cached lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optim_testing import params, run_synthetic
+
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
+OPTIMIZERS = {
+    "FusedAdam": (FusedAdam, {}),
+    "FusedSGD": (FusedSGD, {"lr": 0.1, "momentum": 0.9}),
+    "FusedNovoGrad": (FusedNovoGrad, {}),
+    "FusedAdagrad": (FusedAdagrad, {}),
+    "FusedLAMB": (FusedLAMB, {}),
+    "FusedMixedPrecisionLamb": (FusedMixedPrecisionLamb, {}),
+}
+NAMES = list(OPTIMIZERS)
+
+
+def make(name, ps, **kw):
+    cls, base = OPTIMIZERS[name]
+    return cls(ps, **{**base, **kw})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_foreach_and_fused_keywords_are_accepted(name):
+    opt = make(name, params(), foreach=True, fused=False)
+    assert "foreach" not in opt.defaults and "fused" not in opt.defaults
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_negative_lr_names_the_group(name):
+    ps = params()
+    with pytest.raises(ValueError, match=rf"{name}: param group 1: invalid learning rate lr=-0.1"):
+        make(name, [{"params": ps[:2]}, {"params": ps[2:], "lr": -0.1}])
+    opt = make(name, ps[:2])
+    with pytest.raises(ValueError, match=r"param group 1: invalid learning rate"):
+        opt.add_param_group({"params": ps[2:], "lr": -1.0})
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
+@pytest.mark.parametrize("betas", [(1.0, 0.999), (0.9, -0.1), (0.9, 1.5)])
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("FusedSGD", "FusedAdagrad")])
+def test_betas_outside_unit_interval(name, betas):
+    ps = params()
+    with pytest.raises(
+        ValueError, match=r"param group 1: invalid betas\[\d\]=.* \(must be in \[0, 1\)\)"
+    ):
+        make(name, [{"params": ps[:2]}, {"params": ps[2:], "betas": betas}])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_negative_eps_and_weight_decay(name):
+    if name != "FusedSGD":
+        with pytest.raises(ValueError, match="param group 0: invalid eps=-1"):
+            make(name, params(), eps=-1.0)
+    with pytest.raises(ValueError, match="param group 0: invalid weight_decay=-0.1"):
+        make(name, params(), weight_decay=-0.1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsupported_param_dtype(name):
+    ps = params()
+    ps[3] = torch.nn.Parameter(ps[3].double())
+    with pytest.raises(
+        TypeError, match=rf"{name}: param group 0: parameter 3 has dtype torch.float64"
+    ):
+        make(name, ps)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sparse_gradients(name):
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = make(name, [{"params": params()}, {"params": emb.parameters()}])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(
+        RuntimeError, match=rf"{name}: param group 1: parameter 0 has a sparse gradient"
+    ):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("FusedAdam", {"capturable": True}),
+        ("FusedSGD", {"capturable": True}),
+        ("FusedNovoGrad", {}),
+    ],
+)
+def test_params_on_different_devices(name, kw):
+    ps = params()
+    on_meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    with pytest.raises(
+        ValueError, match=r"param group 0: its parameters are on several devices \(cpu, meta\)"
+    ):
+        make(name, ps + [on_meta], **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_grad(name):
+    ps = params()
+    kw = {} if name == "FusedMixedPrecisionLamb" else {"set_grad_none": True}  # apex has none
+    opt = make(name, ps, **kw)
+    run_synthetic(opt, ps, steps=1)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in ps)
+    opt.zero_grad()
+    assert all(p.grad is None for p in ps)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_optimizer_steps_low_precision(name, dtype):
+    ps = params(dtype)
+    before = [p.detach().clone() for p in ps]
+    opt = make(name, ps, lr=0.1)
+    run_synthetic(opt, ps, steps=3)
+    assert all(p.dtype == dtype and not torch.equal(p, b) for p, b in zip(ps, before))
+    assert all(torch.isfinite(p).all() for p in ps)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_master_weights_everywhere(name):
+    ps = params(torch.bfloat16)
+    opt = make(name, ps, master_weights=True)
+    run_synthetic(opt, ps, steps=3)
+    for p in ps:
+        m = opt.state[p]["master_param"]
+        assert m.dtype == torch.float32 and torch.equal(p, m.bfloat16())
+    assert opt.param_groups_master[0]["params"][0] is opt.state[ps[0]]["master_param"]
+    assert "master_param" in opt.state_dict()["state"][0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_closure_and_empty_step(name):
+    ps = params()
+    opt = make(name, ps)
+    assert opt.step() is None  # no grads yet: nothing to do
+
+    def closure():
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        return torch.tensor(3.0)
+
+    assert opt.step(closure).item() == 3.0
+    assert all(p in opt.state for p in ps)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_lists_follow_param_list_changes(name):
+    """Replacing a group's params (same length) or adding some rebuilds the cached lists."""
+    ps = params()
+    opt = make(name, [{"params": ps[:3]}])
+    run_synthetic(opt, ps[:3], steps=2)
+    new = params(seed=9)[:1]
+    opt.param_groups[0]["params"][0] = new[0]
+    run_synthetic(opt, [new[0]] + ps[1:3], steps=2)
+    assert new[0] in opt.state
+    opt.param_groups[0]["params"].append(ps[3])
+    if name != "FusedNovoGrad":  # NovoGrad keeps one norm per param: a new one is refused
+        run_synthetic(opt, [new[0]] + ps[1:4], steps=1)
+        assert ps[3] in opt.state
+
+
+def test_no_host_sync_in_step(monkeypatch):
+    """step() never reads a device value on the host (checked on CPU through Tensor.item)."""
+    ps = params(torch.bfloat16)
+    opts = [
+        FusedAdam(ps, capturable=True, master_weights=True),
+        FusedAdam(ps),
+        FusedSGD(ps, lr=0.1, momentum=0.9, master_weights=True),
+        FusedAdagrad(ps),
+        FusedNovoGrad(ps, init_zero=False),
+        FusedLAMB(ps, master_weights=True),
+        FusedMixedPrecisionLamb(ps, reduced_precision_dtype=torch.bfloat16),
+    ]
+
+    def boom(*a, **k):
+        raise AssertionError("host sync in step()")
+
+    for opt in opts:
+        for p in ps:
+            p.grad = torch.randn(p.shape).bfloat16()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", boom)
+            m.setattr(torch.Tensor, "__bool__", boom)
+            m.setattr(torch.Tensor, "tolist", boom)
+            opt.step()

@@ -1,0 +1,203 @@
+"""Every optimizer on the GPU: against itself on the CPU (the reference path), against torch.optim
+on the GPU where torch has the same algorithm, and FusedAdam's cached C++ plan (ops.adam_plan)
+in the situations that must make it step the general path or rebuild."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from optim_testing import LOW, TOLERANCES
+
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
+pytestmark = pytest.mark.cuda
+
+# Odd sizes, one over a 65536-element chunk, a 4-d tensor; a few hundred steps each.
+SHAPES = [(7, 13), (13,), (3, 65537), (5,), (2, 3, 4, 5), (257, 129)]
+STEPS = 200
+
+FACTORIES = {
+    "adam": lambda ps, **kw: FusedAdam(ps, lr=1e-3, weight_decay=0.1, **kw),
+    "adam_l2": lambda ps, **kw: FusedAdam(ps, lr=1e-3, weight_decay=0.1, adam_w_mode=False, **kw),
+    "adam_capturable": lambda ps, **kw: FusedAdam(ps, lr=1e-3, weight_decay=0.1, capturable=True, **kw),
+    "sgd": lambda ps, **kw: FusedSGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw),
+    "adagrad": lambda ps, **kw: FusedAdagrad(ps, lr=0.05, weight_decay=1e-3, **kw),
+    "lamb": lambda ps, **kw: FusedLAMB(ps, lr=1e-3, **kw),
+    "novograd": lambda ps, **kw: FusedNovoGrad(ps, lr=1e-3, weight_decay=1e-3, **kw),
+    "mp_lamb": lambda ps, **kw: FusedMixedPrecisionLamb(ps, lr=1e-3, **kw),
+}  # fmt: skip
+TORCH = {
+    "adam": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+    "adam_capturable": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+    "sgd": lambda ps: torch.optim.SGD(
+        ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False
+    ),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, weight_decay=1e-3, foreach=False),
+}
+
+
+def make_params(device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=g).mul_(0.5).to(device, dtype)) for s in SHAPES
+    ]
+
+
+def run(opt, ps, steps=STEPS, seed=100, skip=lambda step, j: False):
+    """``steps`` steps with random grads, the same on every device for one seed."""
+    for i in range(steps):
+        g = torch.Generator().manual_seed(seed + i)
+        for j, p in enumerate(ps):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = None if skip(i, j) else grad.to(p.device, p.dtype)
+        opt.step()
+
+
+def close(actual, expected, dtype=torch.float32, scale=1.0):
+    atol, rtol = TOLERANCES[dtype]
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(
+            a.detach().float().cpu(), e.detach().float().cpu(), atol=atol * scale, rtol=rtol * scale
+        )
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_matches_cpu_reference(name, dtype):
+    if name == "mp_lamb" and dtype != torch.float32:
+        kw = {"reduced_precision_dtype": dtype}
+        gpu, cpu = make_params("cuda", torch.float32), make_params("cpu", torch.float32)
+        # mp_lamb keeps fp32 params and steps them from low-precision grads: feed those.
+        gpu_opt, cpu_opt = FACTORIES[name](gpu, **kw), FACTORIES[name](cpu, **kw)
+    else:
+        gpu, cpu = make_params("cuda", dtype), make_params("cpu", dtype)
+        gpu_opt, cpu_opt = FACTORIES[name](gpu), FACTORIES[name](cpu)
+    steps = STEPS if dtype == torch.float32 else 50
+    run(gpu_opt, gpu, steps)
+    run(cpu_opt, cpu, steps)
+    # Low precision: both round every step to the param dtype; a last-place difference can grow.
+    close(gpu, cpu, dtype, scale=1.0 if dtype == torch.float32 else 4.0)
+
+
+@pytest.mark.parametrize("name", sorted(TORCH))
+def test_gpu_matches_torch_optim(name):
+    ours, ref = make_params("cuda"), make_params("cuda")
+    run(FACTORIES[name](ours), ours)
+    run(TORCH[name](ref), ref)
+    close(ours, ref, scale=5.0)  # 200 steps of different rounding order
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_master_weights_follow_fp32_trajectory(dtype, capturable):
+    low, ref = make_params("cuda", dtype), make_params("cuda", torch.float32)
+    with torch.no_grad():
+        for r, p in zip(ref, low):
+            r.copy_(p.float())  # the same starting point
+    opt = FusedAdam(low, lr=1e-3, weight_decay=0.1, master_weights=True, capturable=capturable)
+    run(opt, low, 50)
+    run(FusedAdam(ref, lr=1e-3, weight_decay=0.1), ref, 50)
+    masters = [opt.state[p]["master_param"] for p in low]
+    close(masters, ref, scale=50.0 if dtype == torch.float16 else 200.0)  # grads were rounded
+    for p, m in zip(low, masters):
+        assert torch.equal(p, m.to(dtype))
+
+
+# ---- FusedAdam's C++ plan -------------------------------------------------------------------------
+
+
+def natives(opt):
+    return [b.native for plan in opt._plans.values() for b in plan.buckets]
+
+
+@pytest.mark.parametrize("kw", [{}, {"capturable": True}, {"master_weights": True}])
+def test_native_plan_is_used_and_matches_the_ops_path(kw, monkeypatch):
+    dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
+    a, b = make_params("cuda", dtype), make_params("cuda", dtype)
+    opt_a, opt_b = FusedAdam(a, lr=1e-3, **kw), FusedAdam(b, lr=1e-3, **kw)
+    run(opt_a, a, 20)
+    assert natives(opt_a) and all(n is not None for n in natives(opt_a))
+    # The same run with the plan switched off must give the same bits.
+    monkeypatch.setattr(FusedAdam, "_native_plan", lambda self, group, bucket: None)
+    run(opt_b, b, 20)
+    assert all(n is None for n in natives(opt_b))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_native_plan_survives_missing_grads(monkeypatch):
+    """A param without a grad in some steps (the general path that step, a rebuilt plan after):
+    the same bits as without the plan."""
+
+    def skip(step, j):
+        return step % 7 == 3 and j == 2
+
+    a, b = make_params("cuda"), make_params("cuda")
+    run(FusedAdam(a, lr=1e-3), a, 30, skip=skip)
+    monkeypatch.setattr(FusedAdam, "_native_plan", lambda self, group, bucket: None)
+    run(FusedAdam(b, lr=1e-3), b, 30, skip=skip)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_native_plan_keeps_no_grad_alive():
+    ps = make_params("cuda")
+    opt = FusedAdam(ps, lr=1e-3)
+    run(opt, ps, 3)
+    refs = [weakref.ref(p.grad) for p in ps]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_native_plan_bad_grad_raises_the_ops_message():
+    ps = make_params("cuda")
+    opt = FusedAdam(ps, lr=1e-3)
+    run(opt, ps, 2)
+    before = [p.detach().clone() for p in ps]
+    ps[1].grad = torch.randn(13, 2, device="cuda")[:, 0]  # strided: revalidated, refused
+    with pytest.raises(ValueError, match=r"grads\[1\] is not contiguous"):
+        opt.step()
+    for p, b in zip(ps, before):
+        assert torch.equal(p, b)  # nothing was launched
+
+
+def test_native_plan_in_a_cuda_graph():
+    ps = make_params("cuda")
+    opt = FusedAdam(ps, lr=1e-3, capturable=True)
+    static = [torch.randn_like(p) for p in ps]
+    for p, g in zip(ps, static):
+        p.grad = g
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(n is not None for n in natives(opt))
+    ref = make_params("cuda")
+    ref_opt = FusedAdam(ref, lr=1e-3, capturable=True)
+    for p, g in zip(ref, static):
+        p.grad = g
+    for _ in range(3):
+        ref_opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(5):
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    for x, y in zip(ps, ref):
+        assert torch.equal(x, y)

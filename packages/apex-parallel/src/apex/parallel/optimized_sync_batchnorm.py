@@ -1,0 +1,205 @@
+"""apex.parallel.SyncBatchNorm: batch normalisation with statistics over every rank of a
+process group, on this package's Welford kernels (CUDA) or their plain-torch references (CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .optimized_sync_batchnorm_kernel import SyncBatchnormFunction
+
+__all__ = ["SyncBatchNorm"]
+
+
+def _channels_last_format(x: torch.Tensor) -> bool:
+    if x.dim() == 4:
+        return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    if x.dim() == 5:
+        return x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    return False
+
+
+def _to_canonical(x: torch.Tensor, layout: str, c: int) -> torch.Tensor:
+    """``x`` as the contiguous ``(N, C, L)`` or ``(M, C)`` tensor the kernels take."""
+    if layout == "ncl":
+        return x.contiguous().view(x.shape[0], c, math.prod(x.shape[2:]))
+    if layout == "torch_cl":  # (N, C, *spatial) in channels_last memory format
+        perm = (0, *range(2, x.dim()), 1)
+        return x.permute(perm).reshape(x.numel() // c, c).contiguous()
+    return x.reshape(x.numel() // c, c).contiguous()  # "mc": (..., C) with C last
+
+
+def _from_canonical(y: torch.Tensor, layout: str, shape: torch.Size) -> torch.Tensor:
+    if layout == "torch_cl":
+        nhwc = (shape[0], *shape[2:], shape[1])
+        inverse = (0, len(shape) - 1, *range(1, len(shape) - 1))
+        return y.view(nhwc).permute(inverse)
+    return y.view(shape)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation whose batch statistics span every rank of ``process_group``.
+
+    Arguments are apex's: ``num_features``, ``eps``, ``momentum`` (``None``: cumulative average
+    over ``num_batches_tracked``, as torch does), ``affine``, ``track_running_stats``,
+    ``process_group`` (``None``: the default group), ``channel_last`` and ``fuse_relu``.
+
+    Input is ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)``, in float32,
+    float16 or bfloat16 (statistics in float32). A 4-D/5-D input in torch's channels_last
+    memory format is handled in place and returned in that format. ``channel_last=True``
+    additionally accepts apex's layout: a contiguous tensor with the channels last, ``(N, H, W,
+    C)``. ``forward(input, z=None)`` adds ``z`` (same shape as ``input``) after the
+    normalisation and before the ReLU of ``fuse_relu``.
+
+    Ranks may hold different batch sizes, or an empty batch. Every rank of the group must call
+    forward (and backward) in training mode together. In eval mode with running statistics
+    the running estimates are used; with ``track_running_stats=False`` each rank normalises by
+    its own batch statistics, with no communication (as torch.nn.SyncBatchNorm, so evaluating on
+    one rank alone never hangs).
+    """
+
+    def __init__(
+        self,
+        num_features,
+        eps=1e-5,
+        momentum=0.1,
+        affine=True,
+        track_running_stats=True,
+        process_group=None,
+        channel_last=False,
+        fuse_relu=False,
+    ):
+        super().__init__(
+            num_features,
+            eps=eps,
+            momentum=momentum,
+            affine=affine,
+            track_running_stats=track_running_stats,
+        )
+        self.process_group = process_group
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def _specify_process_group(self, process_group):
+        self.process_group = process_group
+
+    def _specify_channel_last(self, channel_last):
+        self.channel_last = channel_last
+
+    def extra_repr(self):
+        return (
+            super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}"
+        )
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2 or input.dim() > 5:
+            raise ValueError(
+                "SyncBatchNorm: expected a 2-D to 5-D input ((N, C), (N, C, L), (N, C, H, W) or "
+                f"(N, C, D, H, W)), got {input.dim()}-D input of shape {tuple(input.shape)}"
+            )
+
+    def _layout(self, input) -> str:
+        c = self.num_features
+        if input.dim() == 2:
+            if input.shape[1] != c:
+                raise ValueError(
+                    f"SyncBatchNorm: expected input of shape (N, {c}), got {tuple(input.shape)}"
+                )
+            return "mc"
+        if self.channel_last:
+            if input.shape[-1] == c and input.is_contiguous():
+                return "mc"
+            if input.shape[1] == c and _channels_last_format(input):
+                return "torch_cl"
+            raise ValueError(
+                f"SyncBatchNorm(channel_last=True): expected a contiguous input with the {c} "
+                "channels last, (N, ..., C), or an (N, C, ...) tensor in torch.channels_last "
+                f"memory format; got shape {tuple(input.shape)} with strides {input.stride()}"
+                + (" (a contiguous NCHW tensor)" if input.is_contiguous() else "")
+            )
+        if input.shape[1] != c:
+            raise ValueError(
+                f"SyncBatchNorm: expected {c} channels in dimension 1, got input of shape "
+                f"{tuple(input.shape)}"
+            )
+        return "torch_cl" if _channels_last_format(input) else "ncl"
+
+    def _group(self):
+        """(process group, world size) of the synchronisation; world size 1 without one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1
+        group = self.process_group
+        if group is not None and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+            raise ValueError(
+                "SyncBatchNorm: process_group does not include this rank "
+                f"(rank {dist.get_rank()}); every rank that runs this layer must be a member"
+            )
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError(
+                "SyncBatchNorm: process_group does not include this rank "
+                f"(rank {dist.get_rank()}); every rank that runs this layer must be a member"
+            )
+        return group, dist.get_world_size(group)
+
+    def forward(self, input, z=None):
+        self._check_input_dim(input)
+        layout = self._layout(input)
+        if z is not None and z.shape != input.shape:
+            raise ValueError(
+                f"SyncBatchNorm: z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}"
+            )
+        if input.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"SyncBatchNorm: input dtype {input.dtype} is not supported (float32, float16, bfloat16)"
+            )
+
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or self.running_mean is None
+        c = self.num_features
+        # Views where the layout allows (differentiable either way).
+        x = _to_canonical(input, layout, c)
+        z2 = None if z is None else _to_canonical(z, layout, c)
+
+        if not use_batch_stats:
+            y = self._eval_forward(x, z2)
+        elif not self.training:
+            # No running statistics in eval: this rank's own batch statistics, no communication.
+            y = SyncBatchnormFunction.apply(
+                x, z2, self.weight, self.bias, None, None, self.eps, 0.0, None, 1, self.fuse_relu
+            )
+        else:
+            group, world = self._group()
+            y = SyncBatchnormFunction.apply(
+                x,
+                z2,
+                self.weight,
+                self.bias,
+                self.running_mean,
+                self.running_var,
+                self.eps,
+                factor,
+                group,
+                world,
+                self.fuse_relu,
+            )
+        return _from_canonical(y, layout, input.shape)
+
+    def _eval_forward(self, x, z):
+        """Normalisation by the running estimates (differentiable, local): torch's batch_norm,
+        which takes the canonical (N, C, L) and (M, C) layouts as they are."""
+        y = torch.nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+        if z is not None:
+            y = y + z
+        if self.fuse_relu:
+            y = torch.relu(y)
+        return y.contiguous()

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The GPU runner: on a machine with a GPU and no network, from source (no install step), it
+# compiles every kernel, runs every test including the `cuda`-marked ones, runs the benchmarks,
+# and writes logs and tables under $OUT (default ./gpu-out).
+#
+#   bash scripts/gpu_run.sh                      # everything
+#   TESTS="packages/apex-mta-kernels/tests" BENCH="bench_scale" bash scripts/gpu_run.sh
+#   PROVE_LOCK=1 ...                             # also: 8 processes started together compile once
+#   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
+#
+# Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
+# benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench/<name>.{md,json}
+# (tools/bench_report.py turns those into the docs' tables and plots).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SRCS=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+export PYTHONPATH="$SRCS${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
+export APEX_STRICT_KERNELS=1
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+say "== environment $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$SUMMARY"
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$SUMMARY"
+$PY -m apex.multi_tensor_apply report 2>&1 | tee -a "$SUMMARY"
+
+say "== compile (cold, one process)"
+LOAD='
+import time, torch
+t = time.perf_counter()
+from apex.multi_tensor_apply.build import aot, loader
+for spec in aot.discover_specs():
+    e = loader.load(spec)
+    print(f"{spec.name}: {e.origin} in {time.perf_counter() - t:.2f} s ({e.path})")
+'
+$PY -c "$LOAD" > "$OUT/compile.log" 2>&1; rc=$?
+tee -a "$SUMMARY" < "$OUT/compile.log" | grep -E "apex:|: (compiled|cache|prebuilt)" || true
+if [ $rc -ne 0 ]; then say "COMPILE FAILED (rc=$rc); see compile.log"; tail -50 "$OUT/compile.log"; fi
+say "== load from cache (second process)"
+$PY -c "$LOAD" 2>&1 | tee -a "$SUMMARY"
+
+if [ "${PROVE_LOCK:-0}" = 1 ]; then
+  say "== 8 processes started together, fresh cache"
+  LOCKDIR=$(mktemp -d)
+  for i in $(seq 8); do APEX_CACHE_DIR=$LOCKDIR $PY -c "$LOAD" > "$LOCKDIR/p$i.log" 2>&1 & done
+  wait
+  say "compiling lines: $(cat "$LOCKDIR"/p*.log | grep -c 'apex: compiling') (expect one per extension)"
+  say "origins: $(cat "$LOCKDIR"/p*.log | grep -oE ': (compiled|cache) in' | sort | uniq -c | tr '\n' ' ')"
+fi
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  say "== tests (one pytest process per file, so a crash costs one file, not the run)"
+  TESTS=${TESTS:-$(ls -d packages/*/tests)}
+  : > "$OUT/pytest.log"
+  # shellcheck disable=SC2086
+  for f in $(find $TESTS -name 'test_*.py' | sort); do
+    echo "### $f" >> "$OUT/pytest.log"
+    $PY -m pytest -p no:cacheprovider -rs -q --timeout=900 "$f" ${PYTEST_ARGS:-} >> "$OUT/pytest.log" 2>&1
+    rc=$?
+    line=$(grep -E "^[0-9]+ (passed|failed)|passed|failed|error" "$OUT/pytest.log" | tail -1)
+    say "$(printf '%-60s rc=%-3s %s' "$f" "$rc" "$line")"
+  done
+  say "-- failures"
+  grep -E "^(FAILED|ERROR)|Fatal Python error" "$OUT/pytest.log" | head -40 | tee -a "$SUMMARY"
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  say "== benchmarks"
+  BDIR="$OUT/bench"
+  mkdir -p "$BDIR"
+  for b in packages/*/benchmarks/bench_*.py; do
+    name=$(basename "$b" .py)
+    if [ -n "${BENCH:-}" ] && ! echo " $BENCH " | grep -q " $name "; then continue; fi
+    say "-- $name"
+    $PY "$b" --out "$BDIR" 2>&1 | tee -a "$SUMMARY"
+  done
+  cat "$BDIR"/*.md > "$OUT/bench.md" 2>/dev/null || true
+  $PY - "$BDIR" "$OUT/bench.json" <<'PYEOF'
+import json, sys, pathlib
+d = pathlib.Path(sys.argv[1])
+json.dump({p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))},
+          open(sys.argv[2], "w"), indent=1)
+PYEOF
+fi
+say "== done $(date -u +%FT%TZ)"
