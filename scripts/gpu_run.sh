@@ -9,8 +9,8 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
-# benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench/<name>.{md,json}
-# (tools/bench_report.py turns those into the docs' tables and plots).
+# benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench.tgz holding
+# bench/<name>.{md,json} (tools/bench_report.py turns those into the docs' tables and plots).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -88,5 +88,9 @@ d = pathlib.Path(sys.argv[1])
 json.dump({p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))},
           open(sys.argv[2], "w"), indent=1)
 PYEOF
+fi
+# The device tool brings back at most 8 files from $OUT: pack the per-benchmark files.
+if [ -d "$OUT/bench" ]; then
+  tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
 say "== done $(date -u +%FT%TZ)"
