@@ -42,7 +42,8 @@ OWNED = {
     "apex-amp": {"required": ["apex/amp/", "apex/fp16_utils/"], "optional": []},
 }
 # Distribution -> requirement names its METADATA must list (with what specifier, if any).
-NEEDS = {MTA: {"torch": ">=2.3", "ninja": ""}}
+# setuptools: torch<2.4 cpp_extension imports it to compile, and Python 3.12 no longer ships it.
+NEEDS = {MTA: {"torch": ">=2.3", "ninja": "", "setuptools": ">=64"}}
 NEEDS.update({d: {"torch": ">=2.3", MTA: None} for d in OWNED if d != MTA})
 SDIST_FILES = ["PKG-INFO", "pyproject.toml", "README.md", "CHANGELOG.md"]
 NEVER = ("__pycache__/", ".pyc", ".pyo", ".so.lock", ".egg-info/")
