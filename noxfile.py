@@ -122,8 +122,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package's tests and tests-integration, all five packages installed editable."""
-    # onnxscript: apex-norm's ONNX export test (it skips where onnxscript is absent).
-    install(session, TORCH_CPU, *TEST_TOOLS, "onnxscript", "hatchling")
+    # onnxscript: apex-norm's ONNX export test (it skips where onnxscript is absent);
+    # matplotlib and tqdm: tests-integration/test_demo.py runs the demo, plot included.
+    install(session, TORCH_CPU, *TEST_TOOLS, "onnxscript", "matplotlib", "tqdm", "hatchling")
     # hatchling is installed: no build environment, so no download, for the editable installs.
     editable = [a for d in PACKAGES.values() for a in ("-e", str(package_dir(d)))]
     install(session, "--no-build-isolation", *editable)
