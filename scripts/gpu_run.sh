@@ -7,6 +7,7 @@
 #   TESTS="packages/apex-mta-kernels/tests" BENCH="bench_scale" bash scripts/gpu_run.sh
 #   PROVE_LOCK=1 ...                             # also: 8 processes started together compile once
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
+#   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
 # benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench.tgz holding
@@ -31,6 +32,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$SUMMARY"
 $PY -m apex.multi_tensor_apply report 2>&1 | tee -a "$SUMMARY"
 
+# A kernel cache brought back by an earlier call (CACHE_IN=.gl/cache.tgz, the folder carried):
+# the device is a fresh machine after 30 s idle, and compiling costs minutes of device time.
+if [ -n "${CACHE_IN:-}" ] && [ -f "$CACHE_IN" ]; then
+  mkdir -p "$APEX_CACHE_DIR" && tar xzf "$CACHE_IN" -C "$APEX_CACHE_DIR" && say "cache restored from $CACHE_IN"
+fi
 say "== compile (cold, one process)"
 LOAD='
 import time, torch
@@ -45,6 +51,9 @@ tee -a "$SUMMARY" < "$OUT/compile.log" | grep -E "apex:|: (compiled|cache|prebui
 if [ $rc -ne 0 ]; then say "COMPILE FAILED (rc=$rc); see compile.log"; tail -50 "$OUT/compile.log"; fi
 say "== load from cache (second process)"
 $PY -c "$LOAD" 2>&1 | tee -a "$SUMMARY"
+# The finished libraries and their markers only (no object files), for CACHE_IN next time.
+(cd "$APEX_CACHE_DIR" && find . -name '*.so' -o -name build.json | tar czf "$OUT/cache.tgz" -T -) \
+  && say "cache saved: $(du -h "$OUT/cache.tgz" | cut -f1)"
 
 if [ "${PROVE_LOCK:-0}" = 1 ]; then
   say "== 8 processes started together, fresh cache"
