@@ -37,17 +37,27 @@ $PY -m apex.multi_tensor_apply report 2>&1 | tee -a "$SUMMARY"
 if [ -n "${CACHE_IN:-}" ] && [ -f "$CACHE_IN" ]; then
   mkdir -p "$APEX_CACHE_DIR" && tar xzf "$CACHE_IN" -C "$APEX_CACHE_DIR" && say "cache restored from $CACHE_IN"
 fi
-say "== compile (cold, one process)"
+say "== compile (cold: one process per extension, side by side)"
 LOAD='
-import time, torch
+import os, time, torch
 t = time.perf_counter()
 from apex.multi_tensor_apply.build import aot, loader
+only = os.environ.get("ONLY_SPEC")
 for spec in aot.discover_specs():
+    if only and spec.name != only:
+        continue
     e = loader.load(spec)
     print(f"{spec.name}: {e.origin} in {time.perf_counter() - t:.2f} s ({e.path})")
 '
-$PY -c "$LOAD" > "$OUT/compile.log" 2>&1; rc=$?
+NAMES=$($PY -c "from apex.multi_tensor_apply.build import aot; print(' '.join(s.name for s in aot.discover_specs()))")
+: > "$OUT/compile.log"
+rc=0
+T0=$SECONDS
+for n in $NAMES; do ONLY_SPEC=$n $PY -c "$LOAD" > "$OUT/compile-$n.log" 2>&1 & done
+for job in $(jobs -p); do wait "$job" || rc=$?; done
+for n in $NAMES; do cat "$OUT/compile-$n.log" >> "$OUT/compile.log"; rm -f "$OUT/compile-$n.log"; done
 tee -a "$SUMMARY" < "$OUT/compile.log" | grep -E "apex:|: (compiled|cache|prebuilt)" || true
+say "compile wall: $((SECONDS - T0)) s"
 if [ $rc -ne 0 ]; then say "COMPILE FAILED (rc=$rc); see compile.log"; tail -50 "$OUT/compile.log"; fi
 say "== load from cache (second process)"
 $PY -c "$LOAD" 2>&1 | tee -a "$SUMMARY"
