@@ -1,132 +1,18 @@
-"""apex-optim as a package: its version and the checks its import runs (apex.optimizers)."""
+"""apex-optim as a package: its version and the checks its import runs (apex.optimizers).
+
+The tests are apex-mta-kernels' shared package checks (apex.multi_tensor_apply.testing), made
+for what this module declares; tests specific to apex-optim go below them.
+"""
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pytest depends on tomli on Python 3.10
-    import tomli as tomllib
-
-import apex
-import apex.multi_tensor_apply._abi as kernel_abi
+from apex.multi_tensor_apply.testing.package_checks import add_package_checks
 
 DIST = "apex-optim"
 MODULES = ["apex.optimizers"]
 OTHER_FEATURES = ["apex.normalization", "apex.parallel", "apex.amp", "apex.fp16_utils"]
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-# The pattern of hatchling's regex version source ([tool.hatch.version] path = ...).
-HATCH_VERSION_PATTERN = r"(?im)^(__version__|VERSION) *= *([\'\"])v?(?P<version>.+?)\2"
 
-
-def hatch_version() -> str:
-    config = tomllib.loads((PACKAGE_ROOT / "pyproject.toml").read_text())
-    source = PACKAGE_ROOT / config["tool"]["hatch"]["version"]["path"]
-    match = re.search(HATCH_VERSION_PATTERN, source.read_text())
-    assert match, f"hatchling would find no version in {source}"
-    return match["version"]
-
-
-def reimport(monkeypatch, name: str):
-    """Import ``name`` afresh; the module already loaded comes back after the test."""
-    monkeypatch.setattr(apex, name.rpartition(".")[2], importlib.import_module(name))
-    monkeypatch.delitem(sys.modules, name)
-    return importlib.import_module(name)
-
-
-@pytest.fixture(autouse=True)
-def no_escape_hatches(monkeypatch):
-    monkeypatch.delenv("APEX_SKIP_ABI_CHECK", raising=False)
-    monkeypatch.delenv("APEX_IGNORE_CONFLICTS", raising=False)
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_version_is_the_hatch_version_source(name):
-    module = importlib.import_module(name)
-    assert module.__version__ == hatch_version()
-    assert "__version__" in module.__all__
-
-
-def test_installed_metadata_has_the_same_version():
-    try:
-        installed = importlib.metadata.version(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"{DIST} is not installed here (running from source)")
-    assert installed == hatch_version()
-
-
-@pytest.mark.parametrize("abi", [0, 2])
-@pytest.mark.parametrize("name", MODULES)
-def test_kernel_abi_out_of_range_is_refused(monkeypatch, name, abi):
-    monkeypatch.setattr(kernel_abi, "KERNEL_ABI", abi)
-    with pytest.raises(ImportError) as info:
-        reimport(monkeypatch, name)
-    message = str(info.value)
-    assert "apex-mta-kernels" in message
-    assert DIST in message
-    assert f"kernel ABI {abi}" in message
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_kernel_abi_check_can_be_switched_off(monkeypatch, name):
-    monkeypatch.setattr(kernel_abi, "KERNEL_ABI", 2)
-    monkeypatch.setenv("APEX_SKIP_ABI_CHECK", "1")
-    assert reimport(monkeypatch, name).__version__ == hatch_version()
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_apex_init_of_another_distribution_is_refused(monkeypatch, name):
-    # What NVIDIA apex's setup.py leaves behind: its own apex/__init__.py in place of ours.
-    monkeypatch.delattr(apex, "_NAMESPACE_OWNER")
-    with pytest.raises(ImportError) as info:
-        reimport(monkeypatch, name)
-    message = str(info.value)
-    assert f"{name} ({DIST}) cannot be imported" in message
-    assert "NVIDIA apex" in message
-    assert "`pip uninstall apex`" in message
-    assert f"pip install --force-reinstall apex-mta-kernels {DIST}" in message
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_missing_apex_init_is_explained(monkeypatch, name):
-    # What `pip uninstall apex` leaves after NVIDIA apex overwrote ours: a bare namespace.
-    monkeypatch.delattr(apex, "_NAMESPACE_OWNER")
-    monkeypatch.setattr(apex, "__file__", None)
-    with pytest.raises(ImportError, match=r"apex/__init__\.py is missing") as info:
-        reimport(monkeypatch, name)
-    assert f"pip install --force-reinstall apex-mta-kernels {DIST}" in str(info.value)
-
-
-@pytest.mark.parametrize("name", MODULES)
-def test_foreign_apex_distribution_is_refused(monkeypatch, name):
-    fake = os.path.join("site-packages", "apex-0.1.dist-info")
-    monkeypatch.setattr(apex, "foreign_apex_distributions", lambda: [fake])
-    with pytest.raises(ImportError) as info:
-        reimport(monkeypatch, name)
-    message = str(info.value)
-    assert fake in message
-    assert "`pip uninstall apex`" in message
-    assert name.rpartition(".")[2] in message
-
-
-def test_import_loads_no_other_feature_package():
-    code = (
-        "import sys\n"
-        f"for name in {MODULES!r}:\n"
-        "    __import__(name)\n"
-        f"print([m for m in {OTHER_FEATURES!r} if m in sys.modules])\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+add_package_checks(globals())

@@ -1,0 +1,13 @@
+"""Test helpers the apex-* packages' test suites share, shipped in the apex-mta-kernels wheel so
+that a feature package's tests find them where only apex-mta-kernels and that package are
+installed.
+
+For tests only: nothing in apex imports this package, and it imports pytest (present wherever
+tests run, not a dependency of apex-mta-kernels). Its modules are registered for pytest's assert
+rewriting here, before they are imported, so their failed asserts explain themselves as a test
+module's do.
+"""
+
+import pytest
+
+pytest.register_assert_rewrite(f"{__name__}.package_checks")
