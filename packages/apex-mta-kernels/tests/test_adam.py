@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-from torch.library import opcheck
 
 import amp_C
 from apex.multi_tensor_apply import ops, reference
+from apex.multi_tensor_apply.testing import opcheck
 from conftest import DTYPES, TOLERANCES, devices
 
 SIZES = [1, 7, 97, 4099, 65536, 65537, 3 * 65536 + 13]

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from torch.library import opcheck
 
 import amp_C
 from apex.multi_tensor_apply import ops, reference
+from apex.multi_tensor_apply.testing import opcheck
 from conftest import devices
 
 FLT_MAX = torch.finfo(torch.float32).max

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apex.multi_tensor_apply.testing import opcheck
 from apex.parallel import ops, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -93,7 +94,7 @@ def test_opcheck_on_cpu(name):
             torch.tensor([18.0]),
         ),
     }[name]
-    torch.library.opcheck(getattr(torch.ops.apex_parallel, name).default, args)
+    opcheck(getattr(torch.ops.apex_parallel, name).default, args)
 
 
 def test_syncbatchnorm_compiles_fullgraph():
@@ -243,7 +244,7 @@ def test_opcheck_on_cuda(name):
             torch.tensor([48.0], device="cuda"),
         ),
     }[name]
-    torch.library.opcheck(getattr(torch.ops.apex_parallel, name).default, args)
+    opcheck(getattr(torch.ops.apex_parallel, name).default, args)
 
 
 @pytest.mark.cuda

@@ -11,3 +11,10 @@ module's do.
 import pytest
 
 pytest.register_assert_rewrite(f"{__name__}.package_checks")
+
+try:  # torch >= 2.4
+    from torch.library import opcheck
+except ImportError:  # torch 2.3 has it only in its internal test utilities, same signature
+    from torch.testing._internal.optests import opcheck
+
+__all__ = ["opcheck"]
