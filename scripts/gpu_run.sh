@@ -8,6 +8,7 @@
 #   PROVE_LOCK=1 ...                             # also: 8 processes started together compile once
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
 #   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
+#   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
 # benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench.tgz holding
@@ -75,17 +76,30 @@ if [ "${PROVE_LOCK:-0}" = 1 ]; then
 fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  say "== tests (one pytest process per file, so a crash costs one file, not the run)"
   TESTS=${TESTS:-$(ls -d packages/*/tests)}
   : > "$OUT/pytest.log"
-  # shellcheck disable=SC2086
-  for f in $(find $TESTS -name 'test_*.py' | sort); do
-    echo "### $f" >> "$OUT/pytest.log"
-    $PY -m pytest -p no:cacheprovider -rs -q --timeout=900 "$f" ${PYTEST_ARGS:-} >> "$OUT/pytest.log" 2>&1
-    rc=$?
-    line=$(grep -E "^[0-9]+ (passed|failed)|passed|failed|error" "$OUT/pytest.log" | tail -1)
-    say "$(printf '%-60s rc=%-3s %s' "$f" "$rc" "$line")"
-  done
+  if [ -n "${TEST_JOBS:-}" ]; then
+    # One pytest per package with xdist workers: a crash costs one worker, which xdist replaces.
+    say "== tests (one pytest per package, $TEST_JOBS workers each)"
+    for d in $TESTS; do
+      echo "### $d" >> "$OUT/pytest.log"
+      (cd "$d/.." && $PY -m pytest -p no:cacheprovider -rs -q --timeout=900 -n "$TEST_JOBS" \
+        tests ${PYTEST_ARGS:-}) >> "$OUT/pytest.log" 2>&1
+      rc=$?
+      line=$(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1)
+      say "$(printf '%-40s rc=%-3s %s' "$d" "$rc" "$line")"
+    done
+  else
+    say "== tests (one pytest process per file, so a crash costs one file, not the run)"
+    # shellcheck disable=SC2086
+    for f in $(find $TESTS -name 'test_*.py' | sort); do
+      echo "### $f" >> "$OUT/pytest.log"
+      $PY -m pytest -p no:cacheprovider -rs -q --timeout=900 "$f" ${PYTEST_ARGS:-} >> "$OUT/pytest.log" 2>&1
+      rc=$?
+      line=$(grep -E "^[0-9]+ (passed|failed)|passed|failed|error" "$OUT/pytest.log" | tail -1)
+      say "$(printf '%-60s rc=%-3s %s' "$f" "$rc" "$line")"
+    done
+  fi
   say "-- failures"
   grep -E "^(FAILED|ERROR)|Fatal Python error" "$OUT/pytest.log" | head -40 | tee -a "$SUMMARY"
 fi
