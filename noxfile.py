@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import nox
+import nox.command
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_external_run = True
@@ -44,7 +45,8 @@ MODULES = {
 }
 TORCH_CPU = "torch==2.13.0"  # the CPU build lies in /opt/wheels; PyPI has only the CUDA one
 # numpy: torch warns at import without it.
-TEST_TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "numpy"]
+# expecttest: torch 2.3's opcheck (torch.testing._internal.optests) imports it.
+TEST_TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "numpy", "expecttest"]
 PYTEST_ARGS = ["-p", "no:cacheprovider", "--timeout=900"]
 LINT_PATHS = ["packages", "tests-integration", "tools", "scripts", "noxfile.py", "conftest.py"]
 FIND_LINKS = [
@@ -96,10 +98,17 @@ def run_tests(session: nox.Session) -> None:
     (`from conftest import ...`) cannot share one pytest process with other conftest.py files.
     """
     # With a -k or a path in posargs, a folder where nothing matches is no failure.
+    # Every folder runs even after one fails, so that one run shows every problem.
     codes = [0, 5] if session.posargs else [0]
+    failed = []
     for folder in [*sorted(ROOT.glob("packages/*/tests")), ROOT / "tests-integration"]:
         args = [*PYTEST_ARGS, *xdist(folder), str(folder), *session.posargs]
-        session.run("pytest", *args, success_codes=codes)
+        try:
+            session.run("pytest", *args, success_codes=codes)
+        except nox.command.CommandFailed:
+            failed.append(str(folder.relative_to(ROOT)))
+    if failed:
+        session.error(f"tests failed in {', '.join(failed)}")
 
 
 def xdist(folder: Path) -> list[str]:

@@ -14,7 +14,16 @@ pytest.register_assert_rewrite(f"{__name__}.package_checks")
 
 try:  # torch >= 2.4
     from torch.library import opcheck
-except ImportError:  # torch 2.3 has it only in its internal test utilities, same signature
-    from torch.testing._internal.optests import opcheck
+except ImportError:
+
+    def opcheck(op, args, kwargs=None, *, test_utils="ALL", raise_exception=True):
+        """torch 2.3 has opcheck only in its internal test utilities (same signature), which
+        need the ``expecttest`` package: imported on first call, not with this module."""
+        from torch.testing._internal.optests import opcheck as internal
+
+        return internal(
+            op, args, kwargs, test_utils=test_utils, raise_exception=raise_exception
+        )
+
 
 __all__ = ["opcheck"]
