@@ -21,9 +21,7 @@ except ImportError:
         need the ``expecttest`` package: imported on first call, not with this module."""
         from torch.testing._internal.optests import opcheck as internal
 
-        return internal(
-            op, args, kwargs, test_utils=test_utils, raise_exception=raise_exception
-        )
+        return internal(op, args, kwargs, test_utils=test_utils, raise_exception=raise_exception)
 
 
 __all__ = ["opcheck"]
