@@ -8,6 +8,7 @@
 #   PROVE_LOCK=1 ...                             # also: 8 processes started together compile once
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
 #   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
+#   BENCH_TIMEOUT=120                            # seconds per benchmark script
 #   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
@@ -112,7 +113,9 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     name=$(basename "$b" .py)
     if [ -n "${BENCH:-}" ] && ! echo " $BENCH " | grep -q " $name "; then continue; fi
     say "-- $name"
-    $PY "$b" --out "$BDIR" 2>&1 | tee -a "$SUMMARY"
+    T0=$SECONDS
+    timeout "${BENCH_TIMEOUT:-1800}" $PY "$b" --out "$BDIR" 2>&1 | tee -a "$SUMMARY"
+    say "$name: rc=${PIPESTATUS[0]} in $((SECONDS - T0)) s"
   done
   cat "$BDIR"/*.md > "$OUT/bench.md" 2>/dev/null || true
   $PY - "$BDIR" "$OUT/bench.json" <<'PYEOF'
