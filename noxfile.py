@@ -394,7 +394,13 @@ def cuda13_toolkit(session: nox.Session) -> str:
         "python", "-c", "import importlib.metadata as m; print(m.version('cuda-toolkit'))",
         silent=True,
     ).strip()  # fmt: skip
-    install(session, f"cuda-toolkit[nvcc,cccl]=={pinned}")
+    # cuda-toolkit's extras leave the compiler's pieces unpinned: pin them to the same minor, or
+    # a newer nvidia-nvvm emits PTX this ptxas rejects (seen: 13.5 beside torch 2.11's 13.0).
+    minor = ".".join(pinned.split(".")[:2])
+    parts = [
+        f"{part}=={minor}.*" for part in ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
+    ]
+    install(session, f"cuda-toolkit[nvcc,cccl]=={pinned}", *parts)
     return session.run_install(
         "python", "-c", "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13'))",
         silent=True,

@@ -107,6 +107,40 @@ def test_cuda_major_mismatch_refused_with_the_fix(no_cuda_env, monkeypatch, tmp_
     assert "pip install 'cuda-toolkit[nvcc,cccl]==13.0.*'" in msg
 
 
+def fake_dist(site: Path, name: str, version: str) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_pip_toolkit_with_skewed_compiler_parts_refused_with_the_fix(
+    no_cuda_env, monkeypatch, tmp_path
+):
+    # cuda-toolkit[nvcc]==13.0.2 leaves nvidia-nvvm and nvidia-cuda-crt unpinned: a 13.5 cicc
+    # emits PTX 9.5, which the 13.0 ptxas rejects in the middle of the build.
+    site = tmp_path / "site-packages"
+    fake_toolkit(site / "nvidia" / "cu13", "13.0")
+    fake_dist(site, "nvidia-cuda-nvcc", "13.0.88")
+    fake_dist(site, "nvidia-nvvm", "13.5.37")
+    fake_dist(site, "nvidia-cuda-crt", "13.5.37")
+    monkeypatch.setattr(cuda_home, "_site_dirs", lambda: [site])
+    with pytest.raises(cuda_home.ToolkitError) as err:
+        cuda_home.find_toolkit("13.0")
+    msg = str(err.value)
+    assert "nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.5.37, nvidia-cuda-crt 13.5.37" in msg
+    assert (
+        "pip install 'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*'"
+        in msg
+    )
+    # Once they agree, the same toolkit is taken.
+    for part in ("nvidia_nvvm-13.5.37", "nvidia_cuda_crt-13.5.37"):
+        shutil.rmtree(site / f"{part}.dist-info")
+    fake_dist(site, "nvidia-nvvm", "13.0.88")
+    fake_dist(site, "nvidia-cuda-crt", "13.0.88")
+    cuda_home.find_toolkit.cache_clear()
+    assert cuda_home.find_toolkit("13.0").home == site / "nvidia" / "cu13"
+
+
 def test_no_toolkit_says_what_was_tried(no_cuda_env):
     with pytest.raises(cuda_home.ToolkitError, match="no CUDA compiler \\(nvcc\\) found. Tried"):
         cuda_home.find_toolkit("13.0")

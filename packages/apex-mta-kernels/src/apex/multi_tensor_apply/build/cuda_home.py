@@ -70,6 +70,38 @@ def _pip_candidates(major: int | None) -> list[Path]:
     return out
 
 
+# The pip distributions that make up a pip toolkit's compiler. Their versions must agree to the
+# minor: cuda-toolkit[nvcc]==13.0.x does not pin them, and a newer nvidia-nvvm (cicc) emits
+# PTX that the toolkit's own ptxas rejects ("Unsupported .version 9.5; current version is '9.0'").
+PIP_COMPILER_PARTS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
+
+
+def pip_parts_skew(home: Path, lookup=None) -> str | None:
+    """For a pip toolkit (``site-packages/nvidia/cuNN``): why its compiler pieces disagree, with
+    the fix; None when they agree or ``home`` is no pip toolkit."""
+    if home.parent.name != "nvidia":
+        return None
+    if lookup is None:
+        import importlib.metadata
+
+        # The distributions installed in the site-packages that holds this toolkit.
+        site_dists = importlib.metadata.distributions(path=[str(home.parent.parent)])
+        versions = {d.metadata["Name"].lower(): d.version for d in site_dists if d.metadata}
+        lookup = versions.get
+
+    found = {name: lookup(name) for name in PIP_COMPILER_PARTS}
+    minors = {name: ".".join(v.split(".")[:2]) for name, v in found.items() if v}
+    if len(set(minors.values())) <= 1:
+        return None
+    want = minors.get("nvidia-cuda-nvcc") or min(minors.values())
+    have = ", ".join(f"{name} {found[name]}" for name in minors)
+    pins = " ".join(f"'{name}=={want}.*'" for name in minors)
+    return (
+        f"pip's CUDA compiler pieces disagree ({have}): ptxas would reject the newer PTX. "
+        f"Fix: `pip install {pins}`"
+    )
+
+
 def candidates(torch_cuda_major: int | None = None) -> list[tuple[Path, str]]:
     """Every toolkit root worth trying, in order, with the rule that proposes it."""
     out: list[tuple[Path, str]] = []
@@ -100,6 +132,7 @@ def find_toolkit(torch_cuda: str | None) -> CudaToolkit:
         )
     tried = []
     mismatch = None
+    skew_found = None
     for home, reason in candidates(want):
         nvcc = home / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")
         if not nvcc.is_file():
@@ -113,6 +146,11 @@ def find_toolkit(torch_cuda: str | None) -> CudaToolkit:
             version = _nvcc_version(nvcc)
         except (OSError, subprocess.SubprocessError, ToolkitError) as exc:
             tried.append(f"{home} ({reason}): {exc}")
+            continue
+        skew = pip_parts_skew(home)
+        if skew:
+            tried.append(f"{home} ({reason}): {skew}")
+            skew_found = skew_found or skew
             continue
         tk = CudaToolkit(home=home, nvcc=nvcc, version=version, reason=reason)
         if tk.major != want:
@@ -129,6 +167,8 @@ def find_toolkit(torch_cuda: str | None) -> CudaToolkit:
         else f"install a CUDA {want}.x toolkit (for example NVIDIA's installer, conda "
         f"`cuda-nvcc={torch_cuda}`, or Debian's nvidia-cuda-toolkit) and set CUDA_HOME to it"
     )
+    if skew_found and not mismatch:
+        raise ToolkitError(f"{skew_found}. Tried: {'; '.join(tried)}.")
     head = (
         f"nvcc at {mismatch.nvcc} is CUDA {mismatch.version} but torch was built with CUDA "
         f"{torch_cuda}; the major versions must match"
