@@ -17,6 +17,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or getattr(
     dist, "all_gather_into_tensor", None
 )
 
+_ops = torch.ops.apex_parallel
+
+# torch.compile traces backward() too. Its dynamo reads ctx.needs_input_grad from torch 2.4 on
+# (pytorch#123700); torch 2.3's raises Unsupported on it, so there forward() records the same
+# tuple itself (needs_input_grad is each tensor input's requires_grad at apply()).
+_DYNAMO_READS_NEEDS_INPUT_GRAD = torch.torch_version.TorchVersion(torch.__version__) >= (2, 4)
+
 
 def gather_stats(mean, var, count: int, process_group, world_size: int):
     """``[W, C]`` means and variances and ``[W]`` counts of every rank in ``process_group``."""
@@ -67,6 +74,10 @@ class SyncBatchnormFunction(torch.autograd.Function):
         ctx.world_size = world_size
         ctx.fuse_relu = fuse_relu
         ctx.has_z = z is not None
+        if not _DYNAMO_READS_NEEDS_INPUT_GRAD:
+            ctx.grads_needed = tuple(
+                t is not None and t.requires_grad for t in (input, z, weight, bias)
+            )
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -76,8 +87,12 @@ class SyncBatchnormFunction(torch.autograd.Function):
         dy = grad_output.contiguous()
         if ctx.fuse_relu:
             dy = dy.masked_fill(out <= 0, 0)
-        need_input, need_z, need_weight, need_bias = ctx.needs_input_grad[:4]
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = ops.batchnorm_backward_reduce(
+        needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed
+        need_input, need_z, need_weight, need_bias = needs[:4]
+        # The ops themselves, not ops.py's checked wrappers: forward() checked input, weight,
+        # mean and inv_std, and dy is contiguous. torch 2.3's torch.compile traces backward()
+        # in a strict mode that refuses the wrappers' is_contiguous() (later torch relaxes it).
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _ops.batchnorm_backward_reduce(
             dy, input, mean, inv_std
         )
         grad_input = None
@@ -86,8 +101,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 both = torch.cat([sum_dy, sum_dy_xmu])
                 dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.process_group)
                 sum_dy, sum_dy_xmu = both.chunk(2)
-            grad_input = ops.batchnorm_backward(
-                dy, input, mean, inv_std, weight, sum_dy, sum_dy_xmu, counts
+            grad_input = _ops.batchnorm_backward(
+                dy, input, mean, inv_std, weight, sum_dy, sum_dy_xmu, counts.contiguous()
             )
         grad_z = dy if (ctx.has_z and need_z) else None
         if weight is None or not need_weight:
