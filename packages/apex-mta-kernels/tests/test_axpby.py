@@ -5,7 +5,7 @@ import torch
 
 import amp_C
 from apex.multi_tensor_apply import ops, reference
-from apex.multi_tensor_apply.testing import opcheck
+from apex.multi_tensor_apply.testing import needs_list_functionalization, opcheck
 from conftest import DTYPES, devices
 
 SIZES = [1, 7, 97, 4099, 65536, 65537, 3 * 65536 + 13]
@@ -240,6 +240,7 @@ def test_axpby_opcheck(device, strict_kernels):
     )
 
 
+@needs_list_functionalization
 @pytest.mark.parametrize("device", devices())
 def test_axpby_under_torch_compile_fullgraph(device, strict_kernels):
     backend = "inductor" if device == "cuda" else "aot_eager"

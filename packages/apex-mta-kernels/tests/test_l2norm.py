@@ -6,7 +6,7 @@ import torch
 
 import amp_C
 from apex.multi_tensor_apply import ops, reference
-from apex.multi_tensor_apply.testing import opcheck
+from apex.multi_tensor_apply.testing import needs_list_functionalization, opcheck
 from conftest import DTYPES, devices
 
 SIZES = [1, 7, 97, 4099, 65536, 65537, 3 * 65536 + 13]
@@ -340,6 +340,7 @@ def test_norm_opcheck(device, per_tensor, name, strict_kernels):
     opcheck(op, _op_args(name, device, per_tensor))
 
 
+@needs_list_functionalization
 @pytest.mark.parametrize("device", devices())
 def test_norm_under_torch_compile_fullgraph(device, strict_kernels):
     backend = "inductor" if device == "cuda" else "aot_eager"

@@ -5,7 +5,7 @@ import torch
 
 import amp_C
 from apex.multi_tensor_apply import ops, reference
-from apex.multi_tensor_apply.testing import opcheck
+from apex.multi_tensor_apply.testing import needs_list_functionalization, opcheck
 from conftest import DTYPES, devices
 
 SIZES = [1, 7, 97, 4099, 65536, 65537, 3 * 65536 + 13]
@@ -195,6 +195,7 @@ def test_scale_opcheck(device, strict_kernels):
     opcheck(torch.ops.apex_mta.multi_tensor_scale.default, (xs, outs, flag(device), 0.5))
 
 
+@needs_list_functionalization
 @pytest.mark.parametrize("device", devices())
 def test_scale_under_torch_compile_fullgraph(device, strict_kernels):
     backend = "inductor" if device == "cuda" else "aot_eager"
@@ -211,6 +212,26 @@ def test_scale_under_torch_compile_fullgraph(device, strict_kernels):
     for x, out in zip(xs, outs):
         torch.testing.assert_close(out, expected(x, 4.0, torch.bfloat16), atol=0, rtol=0)
     torch.testing.assert_close(y, outs[0] + 1)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_scale_under_torch_compile_on_every_torch(device, strict_kernels):
+    # Without fullgraph, on every supported torch: on 2.3 the graph breaks around the op (it
+    # mutates a Tensor[] argument) and the op runs eagerly; the results are the same.
+    backend = "inductor" if device == "cuda" else "aot_eager"
+
+    @torch.compile(backend=backend)
+    def step(xs, outs, noop):
+        y = xs[0] * 2
+        ops.multi_tensor_scale(xs, outs, noop, 4.0)
+        return y + outs[0]
+
+    xs = [rand(n, torch.float32, device) for n in (17, 65539)]
+    outs = [torch.empty_like(x) for x in xs]
+    y = step(xs, outs, flag(device))
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, expected(x, 4.0, torch.float32), atol=0, rtol=0)
+    torch.testing.assert_close(y, xs[0] * 2 + outs[0])
 
 
 @pytest.mark.cuda

@@ -13,10 +13,20 @@ library cannot be had the loaders stay and run the reference (after one warning;
     torch.ops.apex_norm.layer_norm_fwd(...)      # or OPS.ensure_loaded() to load eagerly
 
 Never name a schema argument ``mode``: torch's Python dispatcher treats it specially.
+
+torch 2.3 cannot functionalize an op that mutates a ``Tensor(a!)[]`` argument (its
+auto_functionalize takes single tensors; lists came in 2.4), so torch.compile would fail on it.
+There such ops are kept out of graphs (``torch._dynamo.disallow_in_graph``): torch.compile
+breaks the graph around them and runs them eagerly, correctly; ``fullgraph=True`` needs 2.4.
+Importing torch._dynamo costs seconds, so that is done when torch.compile imports it.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import re
+import sys
 from collections.abc import Callable, Mapping
 
 import torch
@@ -25,6 +35,48 @@ from . import loader
 from .spec import KernelSpec
 
 _register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+
+
+_MUTATES_A_LIST = re.compile(r"Tensor\([a-z]+!\)\[\]")
+
+
+def mutates_a_list(schema: str) -> bool:
+    """Whether ``schema`` mutates a ``Tensor[]`` argument in place."""
+    return bool(_MUTATES_A_LIST.search(schema))
+
+
+def functionalizes_lists() -> bool:
+    """torch >= 2.4: torch.compile can trace ops that mutate Tensor[] arguments."""
+    return hasattr(torch.library, "register_autograd")  # also new in 2.4, unlike a version parse
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` once module ``name`` has been imported (at once if it already is)."""
+
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+
+    @classmethod
+    def call(cls, name: str, callback: Callable[[], None]) -> None:
+        if name in sys.modules:
+            callback()
+        else:
+            sys.meta_path.insert(0, cls(name, callback))
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_call(module):
+                exec_module(module)
+                self.callback()
+
+            spec.loader.exec_module = exec_then_call
+        return spec
 
 
 def _fake_none(*args, **kwargs):
@@ -58,6 +110,17 @@ class OpLibrary:
             _register_fake(f"{namespace}::{name}", fakes.get(name, _fake_none), lib=self._lib)
         self._install_loaders()
         loader.register_pre_load(spec.name, self._drop_loaders)
+        if not functionalizes_lists():
+            _AfterImport.call("torch._dynamo", self._keep_list_mutations_out_of_graphs)
+
+    def _keep_list_mutations_out_of_graphs(self) -> None:
+        """torch 2.3 (see the module docstring)."""
+        dynamo = sys.modules["torch._dynamo"]
+        for name, schema in self.schemas.items():
+            if mutates_a_list(schema):
+                packet = getattr(getattr(torch.ops, self.namespace), name)
+                dynamo.disallow_in_graph(packet)
+                dynamo.disallow_in_graph(packet.default)
 
     # -- the CUDA stand-ins ---------------------------------------------------------------------
 
