@@ -10,6 +10,7 @@
 #   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
 #   BENCH_TIMEOUT=120                            # seconds per benchmark script
 #   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
+#   TESTS="packages/apex-optim/tests=120 ..."   # with TEST_JOBS: a time limit per package
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
 # benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench.tgz holding
@@ -82,10 +83,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -n "${TEST_JOBS:-}" ]; then
     # One pytest per package with xdist workers: a crash costs one worker, which xdist replaces.
     say "== tests (one pytest per package, $TEST_JOBS workers each)"
-    for d in $TESTS; do
-      echo "### $d" >> "$OUT/pytest.log"
-      (cd "$d/.." && $PY -m pytest -p no:cacheprovider -rs -q --timeout=900 -n "$TEST_JOBS" \
-        tests ${PYTEST_ARGS:-}) >> "$OUT/pytest.log" 2>&1
+    for entry in $TESTS; do
+      # An entry may carry its own time limit, packages/x/tests=120; SIGINT at the limit makes
+      # pytest stop and still print what failed so far.
+      d=${entry%%=*}; limit=${TEST_TIMEOUT:-3600}
+      [ "$entry" != "$d" ] && limit=${entry#*=}
+      echo "### $d (limit ${limit} s)" >> "$OUT/pytest.log"
+      (cd "$d/.." && timeout -s INT -k 15 "$limit" $PY -m pytest -p no:cacheprovider -rs -q \
+        --timeout=900 -n "$TEST_JOBS" tests ${PYTEST_ARGS:-}) >> "$OUT/pytest.log" 2>&1
       rc=$?
       line=$(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1)
       say "$(printf '%-40s rc=%-3s %s' "$d" "$rc" "$line")"
