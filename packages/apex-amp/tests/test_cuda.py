@@ -95,7 +95,8 @@ def test_o1_fp16_is_autocast_plus_gradscaler_bit_for_bit():
     assert train(model, opt, data) == ref_losses
 
 
-def count_syncs(fn):
+def syncs(fn) -> list[str]:
+    """Where ``fn`` synchronized with the GPU: file:line of each synchronizing call."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -104,7 +105,7 @@ def count_syncs(fn):
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def test_scale_loss_exit_syncs_once_and_master_copy_never():
@@ -121,8 +122,9 @@ def test_scale_loss_exit_syncs_once_and_master_copy_never():
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
 
-    assert count_syncs(scaled_backward) == 1  # the overflow flag, read once
-    assert count_syncs(opt._master_params_to_model_params) == 0
+    where = syncs(scaled_backward)
+    assert len(where) == 1, where  # the overflow flag, read once
+    assert syncs(opt._master_params_to_model_params) == []
 
     loss = loss_fn(model(x), y)
 
@@ -130,7 +132,7 @@ def test_scale_loss_exit_syncs_once_and_master_copy_never():
         with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
             scaled.backward()
 
-    assert count_syncs(delayed) == 0
+    assert syncs(delayed) == []
 
 
 def test_inf_on_cuda_skips_the_step_and_halves_the_scale():
