@@ -473,7 +473,8 @@ def cuda12_home(session: nox.Session) -> Path:
 def matrix_cell(session: nox.Session, cuda: str, torch_spec: str) -> None:
     if cuda == "12":
         session.env["CUDA_HOME"] = str(cuda12_home(session))  # skips before any install
-    install(session, torch_spec, "ninja", *TEST_TOOLS, "hatchling")
+    # matplotlib and tqdm: tests-integration/test_demo.py runs the demo, plot included.
+    install(session, torch_spec, "ninja", *TEST_TOOLS, "matplotlib", "tqdm", "hatchling")
     if cuda == "13":
         # The toolkit of this cell, not whatever nvcc is on PATH.
         session.env["CUDA_HOME"] = cuda13_toolkit(session)
