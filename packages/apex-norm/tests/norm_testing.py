@@ -39,8 +39,44 @@ def torch_layer_norm(x, shape, w, b, eps):
     )
 
 
+def plain_rms_norm(x, shape, w, eps):
+    """RMSNorm written out in plain torch, independent of apex-norm: x * rsqrt(mean(x^2) + eps)
+    * w, over the last ``len(shape)`` dimensions, in float32 (float64 for float64 input), the
+    result in x's dtype (as torch's rms_norm). The oracle where torch has no rms_norm (2.3)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(dtype)
+    dims = tuple(range(-len(shape), 0))
+    y = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    if w is not None:
+        y = y * w.to(dtype)
+    return y.to(x.dtype)
+
+
+# torch.nn.functional.rms_norm and torch.nn.RMSNorm are new in torch 2.4; on 2.3 the tests
+# compare with plain_rms_norm and PlainRMSNorm instead.
+rms_norm = getattr(F, "rms_norm", plain_rms_norm)
+
+
+class PlainRMSNorm(torch.nn.Module):
+    """torch.nn.RMSNorm's state_dict (``weight``) and math, by plain_rms_norm; an int
+    normalized_shape and an explicit eps only."""
+
+    def __init__(self, normalized_shape: int, eps: float):
+        super().__init__()
+        self.normalized_shape = (normalized_shape,)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(normalized_shape))
+
+    def forward(self, x):
+        return plain_rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+RMSNorm = getattr(torch.nn, "RMSNorm", PlainRMSNorm)
+
+
 def torch_rms_norm(x, shape, w, eps):
-    return F.rms_norm(x.double(), shape, None if w is None else w.double(), eps)
+    """The oracle: torch's rms_norm in float64 (plain_rms_norm where torch has none)."""
+    return rms_norm(x.double(), shape, None if w is None else w.double(), eps)
 
 
 def make(shape, dtype, device="cpu", requires_grad=False, scale=1.0, shift=0.0):

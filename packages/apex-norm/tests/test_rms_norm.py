@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from norm_testing import DTYPES, LOW, grad_tol, make, param, tol, torch_rms_norm
+from norm_testing import (
+    DTYPES,
+    LOW,
+    RMSNorm,
+    grad_tol,
+    make,
+    param,
+    rms_norm,
+    tol,
+    torch_rms_norm,
+)
 
 from apex.normalization import FusedRMSNorm, MixedFusedRMSNorm
 from apex.normalization.fused_layer_norm import (
@@ -60,8 +69,9 @@ def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_effi
 
 
 def test_module_matches_nn_rmsnorm_and_state_dict():
+    # torch.nn.RMSNorm (torch 2.3: norm_testing.PlainRMSNorm, the same state_dict and math).
     x = make((8, 4, 16), torch.float32, requires_grad=True)
-    ours, theirs = FusedRMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5)
+    ours, theirs = FusedRMSNorm(16), RMSNorm(16, eps=1e-5)
     with torch.no_grad():
         theirs.weight.copy_(torch.randn(16))
     ours.load_state_dict(theirs.state_dict())
@@ -90,7 +100,7 @@ def test_zero_rows_and_non_contiguous():
     m(x).sum().backward()
     assert torch.equal(m.weight.grad, torch.zeros(16))
     xt = make((16, 8), torch.float32).t()
-    torch.testing.assert_close(m(xt), F.rms_norm(xt, (16,), m.weight, 1e-5))
+    torch.testing.assert_close(m(xt), rms_norm(xt, (16,), m.weight, 1e-5))
 
 
 def test_memory_efficient_saves_the_output():
@@ -134,7 +144,7 @@ def test_autocast_casts_to_the_autocast_dtype(dtype):
 def test_manual_rms_norm_matches_torch():
     x = make((4, 3, 8), torch.float32)
     w = param((3, 8), torch.float32)
-    torch.testing.assert_close(manual_rms_norm(x, (3, 8), w, 1e-5), F.rms_norm(x, (3, 8), w, 1e-5))
+    torch.testing.assert_close(manual_rms_norm(x, (3, 8), w, 1e-5), rms_norm(x, (3, 8), w, 1e-5))
 
 
 # -- CUDA ----------------------------------------------------------------------------------------
@@ -174,7 +184,7 @@ def test_cuda_two_x_rule_against_torch(dtype, H):
     w = param((H,), dtype, "cuda")
     oracle = torch_rms_norm(x, (H,), w, 1e-5)
     ours = (fused_rms_norm_affine(x, w, (H,), 1e-5).double() - oracle).abs().max()
-    theirs = (F.rms_norm(x, (H,), w, 1e-5).double() - oracle).abs().max()
+    theirs = (rms_norm(x, (H,), w, 1e-5).double() - oracle).abs().max()
     assert ours <= 2 * theirs + 1e-6
 
 

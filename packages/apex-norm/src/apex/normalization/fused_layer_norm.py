@@ -58,22 +58,19 @@ def supports_custom_op() -> bool:
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype when autocast is on for ``device_type``, else None."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        enabled = (
-            torch.is_autocast_enabled()
-            if device_type == "cuda"
-            else (device_type == "cpu" and torch.is_autocast_cpu_enabled())
-        )
-        if not enabled:
+    # torch >= 2.4: is_autocast_enabled(device_type) and get_autocast_dtype(device_type). Detected
+    # by attribute, not by catching the TypeError of 2.3's argument-less is_autocast_enabled():
+    # under torch.compile, dynamo 2.3 raises that error as an InternalTorchDynamoError instead.
+    if hasattr(torch, "get_autocast_dtype"):
+        if not torch.is_autocast_enabled(device_type):
             return None
-        if device_type == "cuda":
-            return torch.get_autocast_gpu_dtype()
-        return torch.get_autocast_cpu_dtype()
-    if not enabled:
-        return None
-    return torch.get_autocast_dtype(device_type)
+        return torch.get_autocast_dtype(device_type)
+    # torch 2.3: CUDA and CPU each have their own functions (other devices: no autocast here).
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return None
 
 
 def _autocast(input, *params):
@@ -99,6 +96,13 @@ def _contiguous(t):
     return t.contiguous() if t is not None else None
 
 
+# The helpers below return the tensors to save, and each Function's ``forward`` passes them to
+# ``ctx.save_for_backward`` itself. torch 2.3: where torch.compile breaks the graph at ``apply``
+# (2.3 cannot trace an autograd.Function that takes a torch.Size), dynamo compiles ``forward`` as
+# a frame of its own, and replaying a ``ctx.save_for_backward`` made in a helper it inlined fails
+# (InternalTorchDynamoError: save_for_backward) unless that frame names ``save_for_backward``.
+
+
 def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, mixed):
     shape = ops.validate(input, normalized_shape, weight, bias)
     out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
@@ -111,10 +115,8 @@ def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficien
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
     if memory_efficient:
-        ctx.save_for_backward(out, None, invvar, weight_, bias_)
-    else:
-        ctx.save_for_backward(input_, mean, invvar, weight_, bias_)
-    return out
+        return out, (out, None, invvar, weight_, bias_)
+    return out, (input_, mean, invvar, weight_, bias_)
 
 
 def _ln_backward(ctx, grad_output):
@@ -143,8 +145,7 @@ def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mi
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
-    ctx.save_for_backward(out if memory_efficient else input_, invvar, weight_)
-    return out
+    return out, (out if memory_efficient else input_, invvar, weight_)
 
 
 def _rms_backward(ctx, grad_output):
@@ -165,7 +166,11 @@ def _rms_backward(ctx, grad_output):
 class FusedLayerNormAffineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
-        return _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, False)
+        out, saved = _ln_forward(
+            ctx, input, weight, bias, normalized_shape, eps, memory_efficient, False
+        )
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -178,13 +183,21 @@ class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
 
     @staticmethod
     def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
-        return _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, True)
+        out, saved = _ln_forward(
+            ctx, input, weight, bias, normalized_shape, eps, memory_efficient, True
+        )
+        ctx.save_for_backward(*saved)
+        return out
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
-        return _ln_forward(ctx, input, None, None, normalized_shape, eps, memory_efficient, False)
+        out, saved = _ln_forward(
+            ctx, input, None, None, normalized_shape, eps, memory_efficient, False
+        )
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -195,7 +208,11 @@ class FusedLayerNormFunction(torch.autograd.Function):
 class FusedRMSNormAffineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
-        return _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, False)
+        out, saved = _rms_forward(
+            ctx, input, weight, normalized_shape, eps, memory_efficient, False
+        )
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -208,13 +225,17 @@ class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
 
     @staticmethod
     def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
-        return _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, True)
+        out, saved = _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, True)
+        ctx.save_for_backward(*saved)
+        return out
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
-        return _rms_forward(ctx, input, None, normalized_shape, eps, memory_efficient, False)
+        out, saved = _rms_forward(ctx, input, None, normalized_shape, eps, memory_efficient, False)
+        ctx.save_for_backward(*saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -9,6 +9,7 @@ module's do.
 """
 
 import pytest
+import torch
 
 from apex.multi_tensor_apply.build.oplib import functionalizes_lists, mutates_a_list
 
@@ -33,6 +34,8 @@ except ImportError:
     def opcheck(op, args, kwargs=None, *, test_utils="ALL", raise_exception=True):
         from torch.testing._internal.optests import opcheck as internal
 
+        if isinstance(op, torch._ops.OpOverloadPacket):  # torch.ops.ns.name, as 2.4's takes it
+            op = op.default
         if test_utils == "ALL" and mutates_a_list(str(op._schema)):
             test_utils = list(NO_AOT)
         return internal(op, args, kwargs, test_utils=test_utils, raise_exception=raise_exception)
