@@ -133,7 +133,8 @@ class FusedAdam(FusedOptimizer):
             return
         lr = group["lr"]
         if not isinstance(lr, torch.Tensor):
-            group["lr"] = torch.tensor([lr], dtype=torch.float32, device=device)
+            # 0-dim, as in apex: torch < 2.7 LR schedulers fill_ it with a 0-dim value.
+            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
         elif lr.device != device:
             group["lr"] = lr.to(device)
         step = group.get("step")

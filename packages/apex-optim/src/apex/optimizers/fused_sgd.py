@@ -127,7 +127,8 @@ class FusedSGD(FusedOptimizer):
         if device is None:
             return
         if not isinstance(lr, torch.Tensor):
-            group["lr"] = torch.tensor([lr], dtype=torch.float32, device=device)
+            # 0-dim, as in apex: torch < 2.7 LR schedulers fill_ it with a 0-dim value.
+            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
         elif lr.device != device:
             group["lr"] = lr.to(device)
 
