@@ -1,5 +1,5 @@
-"""clip_grad_norm_: torch.nn.utils.clip_grad_norm_ with the L2 norm on the multi-tensor kernel
-(apex.contrib.clip_grad.clip_grad_norm_)."""
+"""``clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` with the L2 norm on the multi-tensor kernel
+(``apex.contrib.clip_grad.clip_grad_norm_``)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ def clip_grad_norm_(
 
     The norm is taken over all gradients together, as if concatenated into one vector, and the
     grads are multiplied by ``min(1, max_norm / (total_norm + 1e-6))``, exactly as
-    torch.nn.utils.clip_grad_norm_ does. For ``norm_type=2`` the norms come from the fused
+    ``torch.nn.utils.clip_grad_norm_`` does. For ``norm_type=2`` the norms come from the fused
     ``multi_tensor_l2norm`` kernel, one launch per device for float32, float16 and bfloat16 grads
     together (math in float32), and the scaling from one foreach multiply per device: no host
     sync, unless ``error_if_nonfinite`` asks to check the norm. Other norm types, and grads of
-    other dtypes, go to torch.nn.utils.clip_grad_norm_. ``foreach`` is accepted for torch's
+    other dtypes, go to ``torch.nn.utils.clip_grad_norm_``. ``foreach`` is accepted for torch's
     signature and ignored.
 
     Returns the total norm as a float32 0-dim tensor on the first grad's device (apex returned
