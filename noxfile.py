@@ -47,6 +47,8 @@ TORCH_CPU = "torch==2.13.0"  # the CPU build lies in /opt/wheels; PyPI has only 
 # numpy: torch warns at import without it.
 # expecttest: torch 2.3's opcheck (torch.testing._internal.optests) imports it.
 TEST_TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "numpy", "expecttest"]
+# What demo/run_demo.py needs beside torch and the packages (tests-integration runs it too).
+DEMO_TOOLS = ["numpy", "matplotlib", "tqdm"]
 PYTEST_ARGS = ["-p", "no:cacheprovider", "--timeout=900"]
 LINT_PATHS = ["packages", "tests-integration", "tools", "scripts", "noxfile.py", "conftest.py"]
 FIND_LINKS = [
@@ -131,9 +133,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package's tests and tests-integration, all five packages installed editable."""
-    # onnxscript: apex-norm's ONNX export test (it skips where onnxscript is absent);
-    # matplotlib and tqdm: tests-integration/test_demo.py runs the demo, plot included.
-    install(session, TORCH_CPU, *TEST_TOOLS, "onnxscript", "matplotlib", "tqdm", "hatchling")
+    # onnxscript: apex-norm's ONNX export test (it skips where onnxscript is absent).
+    install(session, TORCH_CPU, *TEST_TOOLS, *DEMO_TOOLS, "onnxscript", "hatchling")
     # hatchling is installed: no build environment, so no download, for the editable installs.
     editable = [a for d in PACKAGES.values() for a in ("-e", str(package_dir(d)))]
     install(session, "--no-build-isolation", *editable)
@@ -416,8 +417,7 @@ def demo(session: nox.Session) -> None:
     and with plain torch in the same run; losses, throughputs, the speed ratio and a plot in
     demo-out/. Arguments after -- go to the script (--quick, --steps N, --device, --out DIR).
     APEX_DEMO_TORCH=<requirement> installs another torch (a CUDA one on a GPU machine)."""
-    install(session, os.environ.get("APEX_DEMO_TORCH", TORCH_CPU), "numpy", "matplotlib", "tqdm",
-            "hatchling")  # fmt: skip
+    install(session, os.environ.get("APEX_DEMO_TORCH", TORCH_CPU), *DEMO_TOOLS, "hatchling")
     editable = [a for d in PACKAGES.values() for a in ("-e", str(package_dir(d)))]
     install(session, "--no-build-isolation", *editable)
     session.run("python", "demo/run_demo.py", *session.posargs)
@@ -473,8 +473,7 @@ def cuda12_home(session: nox.Session) -> Path:
 def matrix_cell(session: nox.Session, cuda: str, torch_spec: str) -> None:
     if cuda == "12":
         session.env["CUDA_HOME"] = str(cuda12_home(session))  # skips before any install
-    # matplotlib and tqdm: tests-integration/test_demo.py runs the demo, plot included.
-    install(session, torch_spec, "ninja", *TEST_TOOLS, "matplotlib", "tqdm", "hatchling")
+    install(session, torch_spec, "ninja", *TEST_TOOLS, *DEMO_TOOLS, "hatchling")
     if cuda == "13":
         # The toolkit of this cell, not whatever nvcc is on PATH.
         session.env["CUDA_HOME"] = cuda13_toolkit(session)

@@ -18,8 +18,8 @@ fits). When the library cannot be had, CUDA falls back to the reference after on
 
 ``mean`` and ``invvar`` are float32 (float64 for float64 input), 1-D, one per row (the input's
 leading dimensions flattened). A missing weight or bias gives an empty (shape [0]) gradient. The
-forward ops are differentiable themselves (``torch.library.register_autograd``; on torch 2.3,
-which lacks it, the same by hand); the apex autograd Functions in fused_layer_norm.py call them
+forward ops are differentiable themselves (``OpLibrary.register_autograd``, which also serves
+torch 2.3); the apex autograd Functions in fused_layer_norm.py call them
 too. The ops expect valid arguments: the functions in this module and in fused_layer_norm.py
 check them first (``validate``).
 """
@@ -212,52 +212,8 @@ def _rms_backward(ctx, grad_out, _grad_invvar):
     return gi, gw if ctx.has_weight else None, None, None, None, None
 
 
-def _register_autograd_by_hand(name, backward, setup_context):
-    """torch 2.3 has no ``torch.library.register_autograd`` (new in 2.4): what it does, by hand.
-
-    An Autograd kernel that runs the op below autograd inside an autograd.Function whose
-    backward is ``backward``. Without one, 2.3's autograd fallback differentiates whatever ran
-    below it (on CPU, the reference's own operations; the CUDA kernels have no derivative) and
-    warns that the result may be silently incorrect.
-    """
-    op = getattr(torch.ops.apex_norm, name).default
-    arguments = op._schema.arguments
-
-    def forward(ctx, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = op(*args)
-        setup_context(ctx, args, output)
-        return output
-
-    function = type(
-        f"{name}_autograd",
-        (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
-    )
-
-    def autograd_kernel(*args):
-        # The dispatcher drops trailing arguments equal to their defaults: put them back.
-        args = (*args, *(a.default_value for a in arguments[len(args) :]))
-        if torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ):
-            return function.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    OPS._lib.impl(name, autograd_kernel, "Autograd")
-
-
-if hasattr(torch.library, "register_autograd"):  # torch >= 2.4
-    torch.library.register_autograd(
-        "apex_norm::layer_norm_fwd", _ln_backward, setup_context=_ln_setup, lib=OPS._lib
-    )
-    torch.library.register_autograd(
-        "apex_norm::rms_norm_fwd", _rms_backward, setup_context=_rms_setup, lib=OPS._lib
-    )
-else:  # torch 2.3
-    _register_autograd_by_hand("layer_norm_fwd", _ln_backward, _ln_setup)
-    _register_autograd_by_hand("rms_norm_fwd", _rms_backward, _rms_setup)
+OPS.register_autograd("layer_norm_fwd", _ln_backward, _ln_setup)
+OPS.register_autograd("rms_norm_fwd", _rms_backward, _rms_setup)
 
 
 # -- argument checks ---------------------------------------------------------------------------

@@ -122,6 +122,46 @@ class OpLibrary:
                 dynamo.disallow_in_graph(packet)
                 dynamo.disallow_in_graph(packet.default)
 
+    def register_autograd(self, name: str, backward: Callable, setup_context: Callable) -> None:
+        """Make op ``name`` differentiable: ``torch.library.register_autograd`` (torch >= 2.4).
+
+        torch 2.3 lacks it: there an Autograd kernel runs the op below autograd inside an
+        autograd.Function whose backward is ``backward``. Without one, 2.3's autograd fallback
+        differentiates whatever ran below it (on CPU, the reference's own operations; CUDA
+        kernels have no derivative) and warns that the result may be silently incorrect.
+        """
+        if hasattr(torch.library, "register_autograd"):
+            torch.library.register_autograd(
+                f"{self.namespace}::{name}", backward, setup_context=setup_context, lib=self._lib
+            )
+            return
+        op = getattr(getattr(torch.ops, self.namespace), name).default
+        arguments = op._schema.arguments
+
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        function = type(
+            f"{name}_autograd",
+            (torch.autograd.Function,),
+            {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+        )
+
+        def autograd_kernel(*args):
+            # The dispatcher drops trailing arguments equal to their defaults: put them back.
+            args = (*args, *(a.default_value for a in arguments[len(args) :]))
+            if torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args
+            ):
+                return function.apply(*args)
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args)
+
+        self._lib.impl(name, autograd_kernel, "Autograd")
+
     # -- the CUDA stand-ins ---------------------------------------------------------------------
 
     def _loader_kernel(self, name: str):
