@@ -11,6 +11,7 @@
 #   BENCH_TIMEOUT=120                            # seconds per benchmark script
 #   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
 #   TESTS="packages/apex-optim/tests=120 ..."   # with TEST_JOBS: a time limit per package
+#   TEST_PARALLEL=1                              # with TEST_JOBS: the packages side by side
 #
 # Outputs (few files on purpose): summary.txt (environment, report, compile times, test summary,
 # benchmark tables), pytest.log, compile.log, bench.md, bench.json, and bench.tgz holding
@@ -83,17 +84,31 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -n "${TEST_JOBS:-}" ]; then
     # One pytest per package with xdist workers: a crash costs one worker, which xdist replaces.
     say "== tests (one pytest per package, $TEST_JOBS workers each)"
-    for entry in $TESTS; do
-      # An entry may carry its own time limit, packages/x/tests=120; SIGINT at the limit makes
-      # pytest stop and still print what failed so far.
+    # TEST_PARALLEL=1: the packages' pytests run side by side (the GPU and 16 cores have room),
+    # each logging to its own file, appended to pytest.log in order afterwards.
+    run_pkg() {
+      local entry=$1 d limit log
       d=${entry%%=*}; limit=${TEST_TIMEOUT:-3600}
       [ "$entry" != "$d" ] && limit=${entry#*=}
-      echo "### $d (limit ${limit} s)" >> "$OUT/pytest.log"
+      log="$OUT/pytest-$(basename "$(dirname "$d")").log"
+      echo "### $d (limit ${limit} s)" > "$log"
+      # An entry may carry its own time limit, packages/x/tests=120; SIGINT at the limit makes
+      # pytest stop and still print what failed so far.
       (cd "$d/.." && timeout -s INT -k 15 "$limit" $PY -m pytest -p no:cacheprovider -rs -q \
-        --timeout=900 -n "$TEST_JOBS" tests ${PYTEST_ARGS:-}) >> "$OUT/pytest.log" 2>&1
-      rc=$?
-      line=$(grep -E "(passed|failed|error)" "$OUT/pytest.log" | tail -1)
-      say "$(printf '%-40s rc=%-3s %s' "$d" "$rc" "$line")"
+        --timeout=900 -n "$TEST_JOBS" tests ${PYTEST_ARGS:-}) >> "$log" 2>&1
+      echo "rc=$?" >> "$log"
+    }
+    for entry in $TESTS; do
+      if [ "${TEST_PARALLEL:-0}" = 1 ]; then run_pkg "$entry" & else run_pkg "$entry"; fi
+    done
+    wait
+    for entry in $TESTS; do
+      d=${entry%%=*}
+      log="$OUT/pytest-$(basename "$(dirname "$d")").log"
+      cat "$log" >> "$OUT/pytest.log"
+      line=$(grep -E "(passed|failed|error)" "$log" | tail -1)
+      say "$(printf '%-40s %-6s %s' "$d" "$(tail -1 "$log")" "$line")"
+      rm -f "$log"
     done
   else
     say "== tests (one pytest process per file, so a crash costs one file, not the run)"
