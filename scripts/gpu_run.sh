@@ -9,6 +9,7 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
 #   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
 #   BENCH_TIMEOUT=120                            # seconds per benchmark script
+#   DEMO="--skip-cnn" DEMO_TIMEOUT=200           # also demo/run_demo.py on the GPU (demo.tgz)
 #   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
 #   TESTS="packages/apex-optim/tests=120 ..."   # with TEST_JOBS: a time limit per package
 #   TEST_PARALLEL=1                              # with TEST_JOBS: the packages side by side
@@ -144,6 +145,16 @@ d = pathlib.Path(sys.argv[1])
 json.dump({p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))},
           open(sys.argv[2], "w"), indent=1)
 PYEOF
+fi
+if [ -n "${DEMO:-}" ]; then
+  # DEMO="--skip-cnn": demo/run_demo.py on the GPU with those arguments (one GPU: the 2-process
+  # CNN part would run on the CPU with gloo, as in CI), its output packed as demo.tgz.
+  say "== demo ($DEMO)"
+  # shellcheck disable=SC2086
+  timeout "${DEMO_TIMEOUT:-300}" $PY demo/run_demo.py --device cuda --out "$OUT/demo" $DEMO 2>&1 \
+    | tr '\r' '\n' | grep -vE '[0-9]+/[0-9]+ \[' | tee -a "$SUMMARY"
+  say "demo: rc=${PIPESTATUS[0]}"
+  tar czf "$OUT/demo.tgz" -C "$OUT" demo && rm -rf "$OUT/demo"
 fi
 # The device tool brings back at most 8 files from $OUT: pack the per-benchmark files.
 if [ -d "$OUT/bench" ]; then
