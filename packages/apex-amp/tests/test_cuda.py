@@ -4,6 +4,7 @@ overflow skipping and checkpoints (skipped cleanly without a GPU)."""
 from __future__ import annotations
 
 import io
+import traceback
 import warnings
 
 import pytest
@@ -96,16 +97,27 @@ def test_o1_fp16_is_autocast_plus_gradscaler_bit_for_bit():
 
 
 def syncs(fn) -> list[str]:
-    """Where ``fn`` synchronized with the GPU: file:line of each synchronizing call."""
+    """Where ``fn`` synchronized with the GPU: for each synchronizing call, the file:line chain
+    of the Python frames that led to it, innermost first (torch's own frames included, so that a
+    sync inside torch is traced back to the caller here)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stack = traceback.extract_stack()[:-1]  # without record() itself
+            frames = [f for f in stack if not f.filename.endswith("warnings.py")][-8:]
+            found.append(" <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return found
 
 
 def test_scale_loss_exit_syncs_once_and_master_copy_never():

@@ -1,6 +1,7 @@
 """Every optimizer on the GPU: against itself on the CPU (the reference path), against torch.optim
-on the GPU where torch has the same algorithm, and FusedAdam's cached C++ plan (ops.adam_plan)
-in the situations that must make it step the general path or rebuild."""
+on the GPU where torch has the same algorithm, and the cached C++ plans of FusedAdam and FusedSGD
+(ops.adam_plan, ops.sgd_plan) in the situations that must make them step the general path or
+rebuild."""
 
 from __future__ import annotations
 
@@ -114,46 +115,64 @@ def test_master_weights_follow_fp32_trajectory(dtype, capturable):
         assert torch.equal(p, m.to(dtype))
 
 
-# ---- FusedAdam's C++ plan -------------------------------------------------------------------------
+# ---- the C++ plans of FusedAdam and FusedSGD ------------------------------------------------------
+
+PLANNED = {
+    "adam": (FusedAdam, {}),
+    "adam-capturable": (FusedAdam, {"capturable": True}),
+    "adam-master": (FusedAdam, {"master_weights": True}),
+    "sgd": (FusedSGD, {}),
+    "sgd-momentum": (FusedSGD, {"momentum": 0.9, "weight_decay": 0.01}),
+    "sgd-nesterov-wd-after": (
+        FusedSGD,
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "wd_after_momentum": True},
+    ),
+    "sgd-master": (FusedSGD, {"momentum": 0.9, "master_weights": True}),
+}
 
 
 def natives(opt):
     return [b.native for plan in opt._plans.values() for b in plan.buckets]
 
 
-@pytest.mark.parametrize("kw", [{}, {"capturable": True}, {"master_weights": True}])
-def test_native_plan_is_used_and_matches_the_ops_path(kw, monkeypatch):
+@pytest.mark.parametrize("name", sorted(PLANNED))
+def test_native_plan_is_used_and_matches_the_ops_path(name, monkeypatch):
+    cls, kw = PLANNED[name]
     dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
     a, b = make_params("cuda", dtype), make_params("cuda", dtype)
-    opt_a, opt_b = FusedAdam(a, lr=1e-3, **kw), FusedAdam(b, lr=1e-3, **kw)
+    opt_a, opt_b = cls(a, lr=1e-3, **kw), cls(b, lr=1e-3, **kw)
     run(opt_a, a, 20)
     assert natives(opt_a) and all(n is not None for n in natives(opt_a))
     # The same run with the plan switched off must give the same bits.
-    monkeypatch.setattr(FusedAdam, "_native_plan", lambda self, group, bucket: None)
+    monkeypatch.setattr(cls, "_native_plan", lambda self, group, bucket: None)
     run(opt_b, b, 20)
     assert all(n is None for n in natives(opt_b))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_native_plan_survives_missing_grads(monkeypatch):
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+def test_native_plan_survives_missing_grads(name, monkeypatch):
     """A param without a grad in some steps (the general path that step, a rebuilt plan after):
     the same bits as without the plan."""
+    cls, kw = PLANNED[name]
 
     def skip(step, j):
         return step % 7 == 3 and j == 2
 
     a, b = make_params("cuda"), make_params("cuda")
-    run(FusedAdam(a, lr=1e-3), a, 30, skip=skip)
-    monkeypatch.setattr(FusedAdam, "_native_plan", lambda self, group, bucket: None)
-    run(FusedAdam(b, lr=1e-3), b, 30, skip=skip)
+    run(cls(a, lr=1e-3, **kw), a, 30, skip=skip)
+    monkeypatch.setattr(cls, "_native_plan", lambda self, group, bucket: None)
+    run(cls(b, lr=1e-3, **kw), b, 30, skip=skip)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_native_plan_keeps_no_grad_alive():
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+def test_native_plan_keeps_no_grad_alive(name):
+    cls, kw = PLANNED[name]
     ps = make_params("cuda")
-    opt = FusedAdam(ps, lr=1e-3)
+    opt = cls(ps, lr=1e-3, **kw)
     run(opt, ps, 3)
     refs = [weakref.ref(p.grad) for p in ps]
     opt.zero_grad(set_to_none=True)
@@ -161,9 +180,11 @@ def test_native_plan_keeps_no_grad_alive():
     assert all(r() is None for r in refs)
 
 
-def test_native_plan_bad_grad_raises_the_ops_message():
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+def test_native_plan_bad_grad_raises_the_ops_message(name):
+    cls, kw = PLANNED[name]
     ps = make_params("cuda")
-    opt = FusedAdam(ps, lr=1e-3)
+    opt = cls(ps, lr=1e-3, **kw)
     run(opt, ps, 2)
     before = [p.detach().clone() for p in ps]
     ps[1].grad = torch.randn(13, 2, device="cuda")[:, 0]  # strided: revalidated, refused

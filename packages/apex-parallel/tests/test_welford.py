@@ -73,6 +73,23 @@ def test_welford_parallel_merges_uneven_and_empty_ranks():
     torch.testing.assert_close(inv_std, torch.rsqrt(whole.var(0, unbiased=False) + 1e-5))
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=str
+)
+def test_a_constant_channel_comes_out_as_the_bias(device):
+    """One value per channel: the variance is 0 and inv_std 1/sqrt(eps), so any rounding in
+    x - mean is magnified ~300 times. (x - mean) * scale + bias keeps it exact; the folded
+    x * scale + (bias - mean * scale) did not (seen on the H200: 2.5e-5 off)."""
+    x = torch.tensor([[[3.7], [-1.3], [1000.25]]], device=device)
+    w = torch.tensor([0.5, 2.0, 1.5], device=device)
+    b = torch.tensor([0.1, -0.2, 0.3], device=device)
+    mean, var = ops.welford_mean_var(x)
+    assert torch.equal(mean, x.view(3)) and torch.equal(var, torch.zeros_like(var))
+    inv = torch.rsqrt(var + 1e-5)
+    y = ops.batchnorm_forward(x, mean, inv, w, b)
+    assert torch.equal(y, b.view(1, 3, 1))
+
+
 @pytest.mark.parametrize("name", sorted(ops.SCHEMAS))
 def test_opcheck_on_cpu(name):
     x, g, z, w, b = _inputs((3, 4, 6), torch.float32, "cpu")

@@ -670,3 +670,17 @@ def adam_plan(params, work, exp_avgs, exp_avg_sqs, masters=()):
     return torch.classes.apex_mta.AdamPlan(
         list(params), list(work), list(exp_avgs), list(exp_avg_sqs), list(masters)
     )
+
+
+
+def sgd_plan(params, work, momenta=(), copies=()):
+    """A cached C++ plan of one SGD bucket, or None where the compiled kernels are not in use
+    (as adam_plan). ``plan.step(noop_flag, weight_decay, momentum, dampening, lr, nesterov,
+    first_run, wd_after_momentum, scale)`` is multi_tensor_sgd on [grads, work, momenta(,
+    copies)], the grads fetched from ``params`` in C++; without ``momenta`` (momentum 0) the
+    grads stand in for them. ``fetch``, ``release`` and the False return are adam_plan's."""
+    if not params or not params[0].is_cuda or torch.compiler.is_compiling():
+        return None
+    if not OPS.ensure_loaded():
+        return None
+    return torch.classes.apex_mta.SgdPlan(list(params), list(work), list(momenta), list(copies))

@@ -174,7 +174,8 @@ class FusedSGD(FusedOptimizer):
                 if plan is None:
                     continue
                 for b in plan.buckets:
-                    g = grads[b.start : b.stop]
+                    # grads is None when every bucket's C++ plan fetched its own (see FusedAdam).
+                    g = grads[b.start : b.stop] if grads is not None else None
                     if self.capturable:
                         self._step_tensors(index, group, b, g, scaling)
                     else:
@@ -194,7 +195,39 @@ class FusedSGD(FusedOptimizer):
         torch._foreach_mul_(grads, flags.inv.reshape(()))
         return grads
 
+    def _native_plan(self, group: dict[str, Any], bucket: Bucket):
+        if self.capturable:
+            return None
+        momenta = bucket.state["momentum_buffer"] if "momentum_buffer" in bucket.state else ()
+        copies = bucket.params if bucket.masters is not None else ()
+        return ops.sgd_plan(bucket.params, bucket.work, momenta, copies)
+
+    def _native_step(self, group, b: Bucket, scaling: Scaling | None) -> bool:
+        """The bucket's C++ plan, holding this step's grads, takes the step: no Python per
+        tensor. False where it cannot (grads to unscale first, new momentum buffers, a tensor
+        lr): the plan's grads are released and the caller takes the list path."""
+        momentum, lr = group["momentum"], group["lr"]
+        if (
+            (scaling is not None and scaling.grad_scale is not None)
+            or (momentum != 0 and any(b.fresh))
+            or isinstance(lr, torch.Tensor)
+        ):
+            b.native.release()
+            return False
+        if scaling is not None:
+            noop = scaling.flags(b.device).skip
+        else:
+            noop = self._device_flags(b.device).zero
+        return b.native.step(
+            noop, group["weight_decay"], momentum, group["dampening"], lr, group["nesterov"],
+            False, self.wd_after_momentum, 1.0 / self.most_recent_scale,
+        )  # fmt: skip
+
     def _step_kernel(self, group, b: Bucket, grads, scaling: Scaling | None) -> None:
+        if grads is None:
+            if self._native_step(group, b, scaling):
+                return
+            grads = [p.grad for p in b.params]
         momentum = group["momentum"]
         if scaling is not None:
             flags = scaling.flags(b.device)

@@ -58,17 +58,20 @@ def batchnorm_forward(
     input: torch.Tensor,
     mean: torch.Tensor,
     inv_std: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    z: torch.Tensor | None,
-    fuse_relu: bool,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    fuse_relu: bool = False,
 ) -> torch.Tensor:
-    """``y = (x - mean) * inv_std * weight + bias (+ z)``, then ReLU when ``fuse_relu``."""
+    """``y = (x - mean) * inv_std * weight + bias (+ z)``, then ReLU when ``fuse_relu``.
+
+    ``x - mean`` first, not ``x * scale - mean * scale``: a channel of near-constant values
+    (one element, say, where the variance is 0 and inv_std is 1/sqrt(eps)) would otherwise
+    come out as the rounding error of two large products, not as the bias."""
     scale = inv_std.float() if weight is None else inv_std.float() * weight.float()
-    shift = -mean.float() * scale
+    y = (input.float() - _per_channel(mean.float(), input)) * _per_channel(scale, input)
     if bias is not None:
-        shift = shift + bias.float()
-    y = input.float() * _per_channel(scale, input) + _per_channel(shift, input)
+        y = y + _per_channel(bias.float(), input)
     if z is not None:
         y = y + z.float()
     if fuse_relu:

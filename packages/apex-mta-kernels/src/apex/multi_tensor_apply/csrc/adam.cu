@@ -12,6 +12,7 @@
 // with step_size = lr / bc1 and decay = 1 - lr * wd in mode 1 (1 in mode 0): apex's
 // p -= lr * (m/bc1 / (sqrt(v/bc2) + eps) + wd * p), in the order torch.optim.AdamW rounds it.
 #include "checks.h"
+#include "grad_plan.h"
 #include "multi_tensor_apply.cuh"
 
 #include <torch/custom_class.h>
@@ -432,19 +433,13 @@ void multi_tensor_adam_capturable_master_cuda(
 
 // ---- the cached plan ----------------------------------------------------------------------------
 //
-// A FusedAdam bucket's lists, held on the C++ side so that a step costs no Python per tensor and no
-// list conversion: each step fetches every param's grad in C++, checks it against what the last
-// full validation saw (dtype, size, contiguity, device: a few loads per tensor), and launches on
-// the dtype groups found then. Anything unusual (a param without a grad, a sparse grad) makes step
-// return false, and the caller takes the general path, which says what is wrong; anything else
-// that changed (a grad of another dtype, a param resized through .data) triggers the full checks
-// of the ops, with their messages, and a regrouping.
-class AdamPlan : public torch::CustomClassHolder {
+// A FusedAdam bucket's lists on the C++ side (GradPlan says how a step is checked and run).
+class AdamPlan : public GradPlan {
  public:
   AdamPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> work,
            std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
            std::vector<at::Tensor> masters)
-      : params_(std::move(params)), work_(std::move(work)), m_(std::move(exp_avgs)),
+      : GradPlan(std::move(params)), work_(std::move(work)), m_(std::move(exp_avgs)),
         v_(std::move(exp_avg_sqs)), w_(std::move(masters)) {
     const size_t n = params_.size();
     APEX_CHECK_VALUE(work_.size() == n && m_.size() == n && v_.size() == n, "AdamPlan: params has ",
@@ -453,15 +448,6 @@ class AdamPlan : public torch::CustomClassHolder {
     APEX_CHECK_VALUE(w_.empty() || w_.size() == n, "AdamPlan: masters has ", w_.size(),
                      " tensors; expected 0 or ", n);
   }
-
-  int64_t size() const { return static_cast<int64_t>(params_.size()); }
-
-  // Releases the fetched grads when a step ends, however it ends: the plan never keeps a grad
-  // alive past its step (zero_grad(set_to_none=True) is meant to free them).
-  struct Release {
-    AdamPlan* plan;
-    ~Release() { plan->release(); }
-  };
 
   // multi_tensor_adam on [grads, work, exp_avgs, exp_avg_sqs].
   bool step(at::Tensor noop_flag, double lr, double beta1, double beta2, double eps, int64_t step,
@@ -492,91 +478,31 @@ class AdamPlan : public torch::CustomClassHolder {
     return run<4>(op, noop_flag, {&grads_, &work_, &m_, &v_}, a);
   }
 
+ private:
   template <int DEPTH>
   bool run(const char* op, const at::Tensor& noop_flag,
            std::array<const std::vector<at::Tensor>*, DEPTH> ptrs, const AdamArgs& a) {
-    if (!fetched_ && !fetch()) return false;
-    if (validated_depth_ != DEPTH || noop_flag.device() != device_ ||
-        noop_flag.scalar_type() != at::kInt || noop_flag.numel() < 1) {
-      validate<DEPTH>(op, noop_flag, ptrs);
-    }
+    static const char* kNames[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "master_params"};
+    std::vector<ListArg> lists;
+    for (int d = 0; d < DEPTH; ++d) lists.push_back({kNames[d], ptrs[d]});
+    if (!prepare(op, noop_flag, DEPTH, lists)) return false;
     for (const auto& [dt, idx] : groups_) run_group<DEPTH>(dt, ptrs, idx, a);
     return true;
   }
 
-  // Every param's grad into grads_; false when one is missing or not strided (then nothing is
-  // held). Marks the plan for full validation when anything differs from what it last saw.
-  bool fetch() {
-    const size_t n = params_.size();
-    grads_.resize(n);
-    bool same = validated_depth_ != 0;
-    for (size_t i = 0; i < n; ++i) {
-      const at::Tensor& p = params_[i];
-      const at::Tensor& g = p.grad();
-      if (!g.defined() || g.layout() != at::kStrided) {
-        release();
-        return false;
-      }
-      if (same) {
-        same = g.scalar_type() == gdt_[i] && g.numel() == numel_[i] && g.is_contiguous() &&
-               g.device() == device_ && p.numel() == numel_[i] && p.scalar_type() == pdt_[i] &&
-               p.is_contiguous();
-      }
-      grads_[i] = g;
-    }
-    if (!same) validated_depth_ = 0;
-    fetched_ = true;
-    return true;
-  }
-
-  void release() {
-    for (auto& t : grads_) t.reset();
-    fetched_ = false;
-  }
-
- private:
-  template <int DEPTH>
-  void validate(const char* op, const at::Tensor& noop_flag,
-                const std::array<const std::vector<at::Tensor>*, DEPTH>& ptrs) {
-    static const char* kNames[] = {"grads", "params", "exp_avgs", "exp_avg_sqs", "master_params"};
-    std::vector<ListArg> lists;
-    for (int d = 0; d < DEPTH; ++d) lists.push_back({kNames[d], ptrs[d]});
-    check_lists(op, lists, noop_flag);
-    groups_.clear();
-    for (auto& [dt, idx] : group_by_dtype(lists)) groups_.emplace_back(dt, std::move(idx));
-    const size_t n = params_.size();
-    gdt_.resize(n);
-    pdt_.resize(n);
-    numel_.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      gdt_[i] = grads_[i].scalar_type();
-      pdt_[i] = params_[i].scalar_type();
-      numel_[i] = params_[i].numel();
-    }
-    device_ = noop_flag.device();
-    validated_depth_ = DEPTH;
-  }
-
-  std::vector<at::Tensor> params_, work_, m_, v_, w_, grads_;
-  std::vector<std::pair<std::vector<at::ScalarType>, std::vector<int64_t>>> groups_;
-  std::vector<at::ScalarType> gdt_, pdt_;
-  std::vector<int64_t> numel_;
-  at::Device device_{at::kCPU};
-  int validated_depth_ = 0;  // 0: validate on the next step
-  bool fetched_ = false;     // grads_ holds this step's grads
+  std::vector<at::Tensor> work_, m_, v_, w_;
 };
 
 }  // namespace apex_mta
 
 TORCH_LIBRARY_FRAGMENT(apex_mta, m) {
-  m.class_<apex_mta::AdamPlan>("AdamPlan")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>>())
-      .def("__len__", &apex_mta::AdamPlan::size)
-      .def("fetch", &apex_mta::AdamPlan::fetch)
-      .def("release", &apex_mta::AdamPlan::release)
-      .def("step", &apex_mta::AdamPlan::step)
-      .def("step_capturable", &apex_mta::AdamPlan::step_capturable);
+  auto c = m.class_<apex_mta::AdamPlan>("AdamPlan")
+               .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                std::vector<at::Tensor>>())
+               .def("step", &apex_mta::AdamPlan::step)
+               .def("step_capturable", &apex_mta::AdamPlan::step_capturable);
+  apex_mta::def_grad_plan_methods(c);
 }
 
 TORCH_LIBRARY_IMPL(apex_mta, CUDA, m) {

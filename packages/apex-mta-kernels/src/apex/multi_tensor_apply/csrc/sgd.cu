@@ -13,6 +13,7 @@
 // Momenta are neither read on the first run nor touched at all without momentum, so those
 // steps move fewer bytes.
 #include "checks.h"
+#include "grad_plan.h"
 #include "multi_tensor_apply.cuh"
 
 #include <torch/library.h>
@@ -142,18 +143,8 @@ int copy_kind(at::ScalarType t) {
   }
 }
 
-void multi_tensor_sgd_cuda(at::TensorList grads_, at::TensorList weights_, at::TensorList momenta_,
-                           at::TensorList model_weights_, const at::Tensor& noop_flag, double wd,
-                           double momentum, double dampening, double lr, bool nesterov,
-                           bool first_run, bool wd_after_momentum, double scale) {
-  const std::vector<at::Tensor> grads = grads_.vec(), weights = weights_.vec(),
-                                momenta = momenta_.vec(), model_weights = model_weights_.vec();
-  // An empty model_weights list selects the 3-list form.
-  const bool copy = !model_weights.empty();
-  std::vector<ListArg> lists{{"grads", &grads}, {"weights", &weights}, {"momenta", &momenta}};
-  if (copy) lists.push_back({"model_weights", &model_weights});
-  check_lists("multi_tensor_sgd", lists, noop_flag);
-
+SgdArgs sgd_args(const at::Tensor& noop_flag, double wd, double momentum, double dampening, double lr,
+                 bool nesterov, bool first_run, bool wd_after_momentum, double scale) {
   SgdArgs a;
   a.wd = static_cast<float>(wd);
   a.momentum = static_cast<float>(momentum);
@@ -165,27 +156,106 @@ void multi_tensor_sgd_cuda(at::TensorList grads_, at::TensorList weights_, at::T
   a.wd_after_momentum = wd_after_momentum;
   a.copy = kCopyFloat;
   a.noop = noop_flag.data_ptr<int>();
-  for (const auto& group : group_by_dtype(lists)) {
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& idx = group.second;
-    APEX_DISPATCH_FLOAT(dtypes[0], G, [&] {
-      APEX_DISPATCH_FLOAT(dtypes[1], W, [&] {
-        APEX_DISPATCH_FLOAT(dtypes[2], M, [&] {
-          if (copy) {
-            a.copy = copy_kind(dtypes[3]);
-            launch<4>({&grads, &weights, &momenta, &model_weights}, idx,
-                      SgdFunctor<G, W, M, true>{}, a);
-          } else {
-            launch<3>({&grads, &weights, &momenta}, idx, SgdFunctor<G, W, M, false>{}, a);
-          }
-        });
+  return a;
+}
+
+// One dtype group of checked lists; an empty `model_weights` is the 3-list form.
+void run_sgd_group(const std::vector<at::ScalarType>& dtypes, const std::vector<int64_t>& idx,
+                   const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& weights,
+                   const std::vector<at::Tensor>& momenta,
+                   const std::vector<at::Tensor>& model_weights, SgdArgs a) {
+  APEX_DISPATCH_FLOAT(dtypes[0], G, [&] {
+    APEX_DISPATCH_FLOAT(dtypes[1], W, [&] {
+      APEX_DISPATCH_FLOAT(dtypes[2], M, [&] {
+        if (!model_weights.empty()) {
+          a.copy = copy_kind(dtypes[3]);
+          launch<4>({&grads, &weights, &momenta, &model_weights}, idx, SgdFunctor<G, W, M, true>{},
+                    a);
+        } else {
+          launch<3>({&grads, &weights, &momenta}, idx, SgdFunctor<G, W, M, false>{}, a);
+        }
       });
     });
+  });
+}
+
+std::vector<ListArg> sgd_lists(const std::vector<at::Tensor>& grads,
+                               const std::vector<at::Tensor>& weights,
+                               const std::vector<at::Tensor>& momenta,
+                               const std::vector<at::Tensor>& model_weights) {
+  std::vector<ListArg> lists{{"grads", &grads}, {"weights", &weights}, {"momenta", &momenta}};
+  if (!model_weights.empty()) lists.push_back({"model_weights", &model_weights});
+  return lists;
+}
+
+void multi_tensor_sgd_cuda(at::TensorList grads_, at::TensorList weights_, at::TensorList momenta_,
+                           at::TensorList model_weights_, const at::Tensor& noop_flag, double wd,
+                           double momentum, double dampening, double lr, bool nesterov,
+                           bool first_run, bool wd_after_momentum, double scale) {
+  const std::vector<at::Tensor> grads = grads_.vec(), weights = weights_.vec(),
+                                momenta = momenta_.vec(), model_weights = model_weights_.vec();
+  const auto lists = sgd_lists(grads, weights, momenta, model_weights);
+  check_lists("multi_tensor_sgd", lists, noop_flag);
+  const SgdArgs a = sgd_args(noop_flag, wd, momentum, dampening, lr, nesterov, first_run,
+                             wd_after_momentum, scale);
+  for (const auto& [dtypes, idx] : group_by_dtype(lists)) {
+    run_sgd_group(dtypes, idx, grads, weights, momenta, model_weights, a);
   }
 }
 
 }  // namespace
+
+// ---- the cached plan ----------------------------------------------------------------------------
+//
+// A FusedSGD bucket's lists on the C++ side (GradPlan says how a step is checked and run):
+// multi_tensor_sgd on [grads, work, momenta(, copies)]. Without momentum the plan holds no
+// buffers and the grads stand in for them, as FusedSGD passes them (the kernel then neither
+// reads nor writes that list).
+class SgdPlan : public GradPlan {
+ public:
+  SgdPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> work,
+          std::vector<at::Tensor> momenta, std::vector<at::Tensor> copies)
+      : GradPlan(std::move(params)), work_(std::move(work)), m_(std::move(momenta)),
+        copies_(std::move(copies)) {
+    const size_t n = params_.size();
+    APEX_CHECK_VALUE(work_.size() == n, "SgdPlan: params has ", n, " tensors but work has ",
+                     work_.size());
+    APEX_CHECK_VALUE(m_.empty() || m_.size() == n, "SgdPlan: momenta has ", m_.size(),
+                     " tensors; expected 0 or ", n);
+    APEX_CHECK_VALUE(copies_.empty() || copies_.size() == n, "SgdPlan: copies has ",
+                     copies_.size(), " tensors; expected 0 or ", n);
+  }
+
+  bool step(at::Tensor noop_flag, double wd, double momentum, double dampening, double lr,
+            bool nesterov, bool first_run, bool wd_after_momentum, double scale) {
+    const char* op = "multi_tensor_sgd";
+    const Release release{this};
+    APEX_CHECK_VALUE(!m_.empty() || momentum == 0.0, "SgdPlan: momentum ", momentum,
+                     " needs momentum buffers; this plan was made without");
+    const std::vector<at::Tensor>& momenta = m_.empty() ? grads_ : m_;
+    const auto lists = sgd_lists(grads_, work_, momenta, copies_);
+    if (!prepare(op, noop_flag, copies_.empty() ? 3 : 4, lists)) return false;
+    const SgdArgs a = sgd_args(noop_flag, wd, momentum, dampening, lr, nesterov, first_run,
+                               wd_after_momentum, scale);
+    for (const auto& [dtypes, idx] : groups_) {
+      run_sgd_group(dtypes, idx, grads_, work_, momenta, copies_, a);
+    }
+    return true;
+  }
+
+ private:
+  std::vector<at::Tensor> work_, m_, copies_;
+};
+
 }  // namespace apex_mta
+
+TORCH_LIBRARY_FRAGMENT(apex_mta, m) {
+  auto c = m.class_<apex_mta::SgdPlan>("SgdPlan")
+               .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                std::vector<at::Tensor>, std::vector<at::Tensor>>())
+               .def("step", &apex_mta::SgdPlan::step);
+  apex_mta::def_grad_plan_methods(c);
+}
 
 TORCH_LIBRARY_IMPL(apex_mta, CUDA, m) {
   m.impl("multi_tensor_sgd", &apex_mta::multi_tensor_sgd_cuda);

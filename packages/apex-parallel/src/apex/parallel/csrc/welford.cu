@@ -407,7 +407,9 @@ struct ChannelCursor {
   }
 };
 
-// y = x * scale + shift (+ z), ReLU optional. NCL: channel (i / L) % C; MC: i % C.
+// y = (x - mean) * scale + bias (+ z), ReLU optional. NCL: channel (i / L) % C; MC: i % C.
+// x - mean first (not x * scale + shift): a near-constant channel, where inv_std is as large as
+// 1/sqrt(eps), must come out as the bias, not as the rounding error of two large products.
 template <typename T, int VEC, bool NCL>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ z, T* __restrict__ y, Params p,
                                int64_t numel, int64_t C, int64_t L, bool relu) {
@@ -425,8 +427,8 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ z,
     for (int v = 0; v < VEC; ++v) {
       const int64_t c = NCL ? c_first : c_first + v;
       const float scale = p.inv_std[c] * load_param(p.weight, p.wdtype, c, 1.f);
-      const float shift = load_param(p.bias, p.bdtype, c, 0.f) - p.mean[c] * scale;
-      float r = static_cast<float>(px.v[v]) * scale + shift;
+      const float bias = load_param(p.bias, p.bdtype, c, 0.f);
+      float r = (static_cast<float>(px.v[v]) - p.mean[c]) * scale + bias;
       if (z != nullptr) r += static_cast<float>(pz.v[v]);
       if (relu) r = fmaxf(r, 0.f);
       out.v[v] = static_cast<T>(r);

@@ -1,0 +1,110 @@
+// The cached plan of one optimizer bucket, shared by AdamPlan and SgdPlan.
+//
+// A bucket's lists, held on the C++ side so that a step costs no Python per tensor and no list
+// conversion: each step fetches every param's grad in C++, checks it against what the last full
+// validation saw (dtype, size, contiguity, device: a few loads per tensor), and launches on the
+// dtype groups found then. Anything unusual (a param without a grad, a sparse grad) makes the
+// step return false, and the caller takes the general path, which says what is wrong; anything
+// else that changed (a grad of another dtype, a param resized through .data) triggers the full
+// checks of the ops, with their messages, and a regrouping.
+#pragma once
+
+#include "checks.h"
+
+#include <torch/custom_class.h>
+
+#include <utility>
+#include <vector>
+
+namespace apex_mta {
+
+class GradPlan : public torch::CustomClassHolder {
+ public:
+  explicit GradPlan(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+
+  int64_t size() const { return static_cast<int64_t>(params_.size()); }
+
+  // Every param's grad into grads_; false when one is missing or not strided (then nothing is
+  // held). Marks the plan for full validation when anything differs from what it last saw.
+  bool fetch() {
+    const size_t n = params_.size();
+    grads_.resize(n);
+    bool same = validated_ != 0;
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = params_[i];
+      const at::Tensor& g = p.grad();
+      if (!g.defined() || g.layout() != at::kStrided) {
+        release();
+        return false;
+      }
+      if (same) {
+        same = g.scalar_type() == gdt_[i] && g.numel() == numel_[i] && g.is_contiguous() &&
+               g.device() == device_ && p.numel() == numel_[i] && p.scalar_type() == pdt_[i] &&
+               p.is_contiguous();
+      }
+      grads_[i] = g;
+    }
+    if (!same) validated_ = 0;
+    fetched_ = true;
+    return true;
+  }
+
+  void release() {
+    for (auto& t : grads_) t.reset();
+    fetched_ = false;
+  }
+
+ protected:
+  // Releases the fetched grads when a step ends, however it ends: the plan never keeps a grad
+  // alive past its step (zero_grad(set_to_none=True) is meant to free them).
+  struct Release {
+    GradPlan* plan;
+    ~Release() { plan->release(); }
+  };
+
+  // Fetches the grads if the caller has not, and runs the op's full checks on `lists` when the
+  // plan has not validated this form (`form`: any nonzero code the subclass gives each list
+  // layout it launches) against this noop flag. False: a grad is missing, launch nothing.
+  bool prepare(const char* op, const at::Tensor& noop_flag, int form,
+               const std::vector<ListArg>& lists) {
+    if (!fetched_ && !fetch()) return false;
+    if (validated_ != form || noop_flag.device() != device_ || noop_flag.scalar_type() != at::kInt ||
+        noop_flag.numel() < 1) {
+      check_lists(op, lists, noop_flag);
+      groups_.clear();
+      for (auto& [dt, idx] : group_by_dtype(lists)) groups_.emplace_back(dt, std::move(idx));
+      const size_t n = params_.size();
+      gdt_.resize(n);
+      pdt_.resize(n);
+      numel_.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        gdt_[i] = grads_[i].scalar_type();
+        pdt_[i] = params_[i].scalar_type();
+        numel_[i] = params_[i].numel();
+      }
+      device_ = noop_flag.device();
+      validated_ = form;
+    }
+    return true;
+  }
+
+  std::vector<at::Tensor> params_, grads_;
+  std::vector<std::pair<std::vector<at::ScalarType>, std::vector<int64_t>>> groups_;
+
+ private:
+  std::vector<at::ScalarType> gdt_, pdt_;
+  std::vector<int64_t> numel_;
+  at::Device device_{at::kCPU};
+  int validated_ = 0;     // the form last validated; 0: validate on the next step
+  bool fetched_ = false;  // grads_ holds this step's grads
+};
+
+// Registers the methods every plan class has (GradPlan's, called through the subclass).
+template <typename Plan>
+torch::class_<Plan>& def_grad_plan_methods(torch::class_<Plan>& c) {
+  return c.def("__len__", [](const c10::intrusive_ptr<Plan>& self) { return self->size(); })
+      .def("fetch", [](const c10::intrusive_ptr<Plan>& self) { return self->fetch(); })
+      .def("release", [](const c10::intrusive_ptr<Plan>& self) { self->release(); });
+}
+
+}  // namespace apex_mta
