@@ -338,9 +338,7 @@ def test_lamb_mixed_dtype_lists_are_grouped(device, strict_kernels):
             2.0,
             False,
         )
-        assert_stepped_close(
-            [[lst[i]] for lst in lists], one, [[lst[i]] for lst in before]
-        )
+        assert_stepped_close([[lst[i]] for lst in lists], one, [[lst[i]] for lst in before])
 
 
 @pytest.mark.parametrize("device", devices())

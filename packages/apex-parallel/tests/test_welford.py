@@ -73,9 +73,7 @@ def test_welford_parallel_merges_uneven_and_empty_ranks():
     torch.testing.assert_close(inv_std, torch.rsqrt(whole.var(0, unbiased=False) + 1e-5))
 
 
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=str
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=str)
 def test_a_constant_channel_comes_out_as_the_bias(device):
     """One value per channel: the variance is 0 and inv_std 1/sqrt(eps), so any rounding in
     x - mean is magnified ~300 times. (x - mean) * scale + bias keeps it exact; the folded

@@ -672,7 +672,6 @@ def adam_plan(params, work, exp_avgs, exp_avg_sqs, masters=()):
     )
 
 
-
 def sgd_plan(params, work, momenta=(), copies=()):
     """A cached C++ plan of one SGD bucket, or None where the compiled kernels are not in use
     (as adam_plan). ``plan.step(noop_flag, weight_decay, momentum, dampening, lr, nesterov,
