@@ -22,26 +22,51 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+# Extra keys that give a row's size, so that its plot is bandwidth against size.
+SIZE_KEYS = (("numel", "elements"), ("H", "hidden size H"))
+
+
+def size_key(rows: list[dict]) -> tuple[str, str] | None:
+    for key, label in SIZE_KEYS:
+        if rows and all(isinstance(r.get("extra", {}).get(key), (int, float)) for r in rows):
+            return key, label
+    return None
+
+
 def plot(name: str, bench: str, rows: list[dict], ceiling: dict, out: Path) -> Path:
+    """TB/s per implementation against size (log axis) when every row carries one, else grouped
+    bars per case; the copy bandwidth of the same run as a dashed ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = list(dict.fromkeys(r["case"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cases) + 3), 4.2))
-    for impl in impls:
-        pts = {r["case"]: r["tbps"] for r in rows if r["impl"] == impl}
-        xs = [i for i, c in enumerate(cases) if c in pts]
-        ax.plot(xs, [pts[cases[i]] for i in xs], marker="o", label=impl)
+    sized = size_key(rows)
     copy = ceiling["gbytes"] / ceiling["ms"]
+    if sized:
+        key, label = sized
+        fig, ax = plt.subplots(figsize=(7.0, 4.2))
+        for impl in impls:
+            pts = sorted((r["extra"][key], r["tbps"]) for r in rows if r["impl"] == impl)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+    else:
+        cases = list(dict.fromkeys(r["case"] for r in rows))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases) + 3), 4.2))
+        width = 0.8 / max(len(impls), 1)
+        for k, impl in enumerate(impls):
+            pts = {r["case"]: r["tbps"] for r in rows if r["impl"] == impl}
+            xs = [i for i, c in enumerate(cases) if c in pts]
+            ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], [pts[cases[i]] for i in xs],
+                   width=width, label=impl)  # fmt: skip
+        ax.set_xticks(range(len(cases)), cases, rotation=20, ha="right", fontsize=8)
     ax.axhline(copy, color="black", linestyle="--", linewidth=1, label=f"copy {copy:.2f} TB/s")
-    ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("TB/s (bytes that must move / time)")
     ax.set_ylim(bottom=0, top=copy * 1.15)
     ax.set_title(f"{name}: {bench}")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path = out / f"{slug(name)}-{slug(bench)}.png"
     fig.savefig(path, dpi=110)

@@ -208,6 +208,47 @@ def norm_rows(case, shapes) -> list[Row]:
     return rows
 
 
+def sweep_rows() -> list[Row]:
+    """Bandwidth against size: lists of up to 2^22-element fp32 tensors, 2^20 to 2^30 params in
+    all; the plans (as FusedAdam and FusedSGD step) and the l2norm against torch's best."""
+    rows = []
+    for k in range(20, 31, 2):
+        rows += _sweep_size(k)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _sweep_size(k: int) -> list[Row]:
+    total = 1 << k
+    ps = _params([(min(total, 1 << 22),)] * max(1, total >> 22))
+    gs = [p.grad for p in ps]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.rand_like(p) for p in ps]
+    noop = torch.zeros(1, dtype=torch.int32, device="cuda")
+    adam = ops.adam_plan(ps, ps, ms, vs)
+    sgd = ops.sgd_plan(ps, ps, ms)
+    torch_adam = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
+    torch_sgd = torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
+    torch_sgd.step()  # its momentum buffers
+    cases = [
+        ("adam fp32 by size", "apex_mta adam_plan", 28,
+         lambda: adam.step(noop, 1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)),
+        ("adam fp32 by size", "torch AdamW(fused=True)", 28, torch_adam.step),
+        ("sgd momentum fp32 by size", "apex_mta sgd_plan", 20,
+         lambda: sgd.step(noop, 1e-4, 0.9, 0.0, 0.1, False, False, False, 1.0)),
+        ("sgd momentum fp32 by size", "torch SGD(fused=True)", 20, torch_sgd.step),
+        ("l2norm fp32 by size", "apex_mta l2norm", 4,
+         lambda: ops.multi_tensor_l2norm(gs, noop, False)),
+        ("l2norm fp32 by size", "torch._foreach_norm + stack", 4,
+         lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)))),
+    ]  # fmt: skip
+    return [
+        Row(bench, f"2^{k} params", impl, time_cuda(fn, 3, 10), per * total / 1e9,
+            host_ms(fn, 10), {"numel": total})
+        for bench, impl, per, fn in cases
+    ]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -220,6 +261,10 @@ def main() -> None:
                 rows += fn(case, shapes)
             except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
                 print(f"{fn.__name__} {case}: {type(exc).__name__}: {exc}")
+    try:
+        rows += sweep_rows()
+    except Exception as exc:  # noqa: BLE001
+        print(f"sweep_rows: {type(exc).__name__}: {exc}")
     print(write(rows, ceiling, args.out, "bench_optim_kernels"))
 
 

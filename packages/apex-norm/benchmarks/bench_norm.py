@@ -96,7 +96,7 @@ def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted):
             wall = wall_ms(f, warmup=2, rep=15)
             gb = nbytes * rows * H * elem / 1e9
             row = Row(
-                "bench_norm",
+                f"{norm} {dtype_name} {passname}",  # one plot each, bandwidth against H
                 f"{case} {passname}",
                 name,
                 ms,
