@@ -94,7 +94,9 @@ def main() -> int:
         page.append(f"### {name}\n")
         md = f.with_suffix(".md")
         if md.is_file():
-            page.append(md.read_text().strip() + "\n")
+            # The page sits under the docs' own headings: a script's headings become bold lines.
+            text = re.sub(r"(?m)^#{1,6}\s+(.*)$", r"**\1**", md.read_text().strip())
+            page.append(text + "\n")
         if isinstance(data, dict) and "ceiling" in data and "rows" in data:
             rows = [r for r in data["rows"] if r.get("tbps") == r.get("tbps")]  # drop NaN
             for bench in dict.fromkeys(r["bench"] for r in rows):
