@@ -3,15 +3,16 @@ overflow skipping and checkpoints (skipped cleanly without a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import traceback
-import warnings
 
 import pytest
 import torch
 from amp_testing import LOW, batches, loss_fn, make_model
 
 import apex.amp as amp
+from apex.amp.scaler import LossScaler
 
 pytestmark = pytest.mark.cuda
 
@@ -96,31 +97,22 @@ def test_o1_fp16_is_autocast_plus_gradscaler_bit_for_bit():
     assert train(model, opt, data) == ref_losses
 
 
-def syncs(fn) -> list[str]:
-    """Where ``fn`` synchronized with the GPU: for each synchronizing call, the file:line chain
-    of the Python frames that led to it, innermost first (torch's own frames included, so that a
-    sync inside torch is traced back to the caller here)."""
-    torch.cuda.synchronize()
-    found = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            stack = traceback.extract_stack()[:-1]  # without record() itself
-            frames = [f for f in stack if not f.filename.endswith("warnings.py")][-8:]
-            found.append(" <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames)))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return found
+@contextlib.contextmanager
+def sync_mode(mode: str):
+    """torch's sync debug mode inside the block ("error": a synchronizing call raises there)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
-def test_scale_loss_exit_syncs_once_and_master_copy_never():
+def test_scale_loss_exit_syncs_once_and_master_copy_never(monkeypatch):
+    """Syncs made errors, so that each is caught where it happens (torch's sync warnings can
+    surface at a later call, which made counting them unreliable): the exit's first sync is the
+    overflow flag's read in update_scale; with that read allowed, the exit makes no other; the
+    master copy and an exit with delay_overflow_check make none."""
     model = make_model().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = amp.initialize(
@@ -129,19 +121,33 @@ def test_scale_loss_exit_syncs_once_and_master_copy_never():
     x, y = cuda_batches(1)[0]
     train(model, opt, [(x, y)])  # masters made, allocator warm
 
-    # The model's own backward may synchronize (seen on torch 2.11: one sync inside backward);
-    # what amp adds is counted: the exit of the block, where it unscales and checks overflow.
-    def exit_syncs(**kwargs) -> list[str]:
+    def block_after_backward(**kwargs):
         loss = loss_fn(model(x), y)
         block = amp.scale_loss(loss, opt, **kwargs)
         block.__enter__().backward()
         torch.cuda.synchronize()
-        return syncs(lambda: block.__exit__(None, None, None))
+        return block
 
-    where = exit_syncs()
-    assert len(where) == 1, where  # the overflow flag, read once
-    assert syncs(opt._master_params_to_model_params) == []
-    assert exit_syncs(delay_overflow_check=True) == []
+    block = block_after_backward()
+    with sync_mode("error"), pytest.raises(RuntimeError, match="synchroniz") as info:
+        block.__exit__(None, None, None)
+    apex_frames = [f for f in traceback.extract_tb(info.tb) if "/apex/amp/" in f.filename]
+    assert apex_frames[-1].name == "update_scale", apex_frames
+
+    read_flag = LossScaler.update_scale
+
+    def update_scale_read_allowed(self):
+        with sync_mode("default"):
+            return read_flag(self)
+
+    monkeypatch.setattr(LossScaler, "update_scale", update_scale_read_allowed)
+    block = block_after_backward()
+    with sync_mode("error"):
+        block.__exit__(None, None, None)
+        opt._master_params_to_model_params()
+    block = block_after_backward(delay_overflow_check=True)
+    with sync_mode("error"):
+        block.__exit__(None, None, None)
 
 
 def test_inf_on_cuda_skips_the_step_and_halves_the_scale():
