@@ -20,6 +20,7 @@ from pathlib import Path
 
 import nox
 import nox.command
+import tomllib
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_external_run = True
@@ -285,9 +286,8 @@ def lowest(session: nox.Session, pkg: str) -> None:
     from packaging.requirements import Requirement
 
     dist = PACKAGES[pkg]
-    text = (package_dir(dist) / "pyproject.toml").read_text()
-    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
-    reqs = [Requirement(r.strip().strip('"')) for r in deps.split(",") if r.strip()]
+    meta = tomllib.loads((package_dir(dist) / "pyproject.toml").read_text())
+    reqs = [Requirement(r) for r in meta["project"]["dependencies"]]
     mta_req = next(r for r in reqs if r.name == MTA)
     torch_req = next(r for r in reqs if r.name == "torch")
     lowest_torch = LOWEST_TORCH.split("==")[1]
