@@ -661,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = pick_device(args.device)
         if device.type == "cuda":
+            if device.index is None:  # "--device cuda": the current GPU, by its index
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
         gpt_cfg, cnn_cfg = configs(args, device)
         if gpt_cfg.steps < 2 * LOSS_WINDOW:
