@@ -220,6 +220,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _single_device_reason(self) -> str:
         return ""
 
+    def _make_capturable(self, group: dict[str, Any]) -> None:
+        """A capturable group's lr as a 0-dim float32 tensor on the group's device, read there
+        by the kernels (0-dim as in apex: torch < 2.7 LR schedulers fill_ it with a 0-dim
+        value). Subclasses add their own device scalars."""
+        device = group_device(group)
+        if device is None:
+            return
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor):
+            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
+        elif lr.device != device:
+            group["lr"] = lr.to(device)
+
     def _param_dtypes(self) -> tuple[torch.dtype, ...]:
         return FLOAT_DTYPES
 

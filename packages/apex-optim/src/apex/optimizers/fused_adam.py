@@ -115,28 +115,23 @@ class FusedAdam(FusedOptimizer):
         check_eps(where, group["eps"])
         check_nonneg(where, "weight_decay", group["weight_decay"])
 
+    @property
+    def _group_single_device(self) -> bool:
+        return self.capturable
+
+    def _single_device_reason(self) -> str:
+        return " with capturable=True (lr and step live on the group's device)"
+
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         super()._check_group(index, group)
         if self.capturable:
-            devices = {p.device for p in group["params"]}
-            if len(devices) > 1:
-                raise ValueError(
-                    f"{self._name}: param group {index}: its parameters are on several devices "
-                    f"({', '.join(sorted(map(str, devices)))}); capturable=True keeps lr and step "
-                    "on the group's device, so every parameter of a group must be on one device"
-                )
             self._make_capturable(group)
 
     def _make_capturable(self, group: dict[str, Any]) -> None:
+        super()._make_capturable(group)
         device = group_device(group)
         if device is None:
             return
-        lr = group["lr"]
-        if not isinstance(lr, torch.Tensor):
-            # 0-dim, as in apex: torch < 2.7 LR schedulers fill_ it with a 0-dim value.
-            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
-        elif lr.device != device:
-            group["lr"] = lr.to(device)
         step = group.get("step")
         if step is not None and not isinstance(step, torch.Tensor):
             group["step"] = torch.tensor([step], dtype=torch.int32, device=device)

@@ -10,7 +10,7 @@ from torch.optim.optimizer import required
 import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier, ops
 
-from ._base import Bucket, FusedOptimizer, Scaling, check_lr, check_nonneg, group_device
+from ._base import Bucket, FusedOptimizer, Scaling, check_lr, check_nonneg
 
 __all__ = ["FusedSGD"]
 
@@ -109,28 +109,17 @@ class FusedSGD(FusedOptimizer):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"{where}: Nesterov momentum requires a momentum and zero dampening")
 
+    @property
+    def _group_single_device(self) -> bool:
+        return self.capturable
+
+    def _single_device_reason(self) -> str:
+        return " with capturable=True (lr lives on the group's device)"
+
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         super()._check_group(index, group)
         if self.capturable:
-            devices = {p.device for p in group["params"]}
-            if len(devices) > 1:
-                raise ValueError(
-                    f"{self._name}: param group {index}: its parameters are on several devices "
-                    f"({', '.join(sorted(map(str, devices)))}); capturable=True keeps lr on the "
-                    "group's device, so every parameter of a group must be on one device"
-                )
             self._make_capturable(group)
-
-    def _make_capturable(self, group: dict[str, Any]) -> None:
-        device = group_device(group)
-        lr = group["lr"]
-        if device is None:
-            return
-        if not isinstance(lr, torch.Tensor):
-            # 0-dim, as in apex: torch < 2.7 LR schedulers fill_ it with a 0-dim value.
-            group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device)
-        elif lr.device != device:
-            group["lr"] = lr.to(device)
 
     def _after_load_group(self, group: dict[str, Any]) -> None:
         if self.capturable:
@@ -202,41 +191,14 @@ class FusedSGD(FusedOptimizer):
         copies = bucket.params if bucket.masters is not None else ()
         return ops.sgd_plan(bucket.params, bucket.work, momenta, copies)
 
-    def _native_step(self, group, b: Bucket, scaling: Scaling | None) -> bool:
-        """The bucket's C++ plan, holding this step's grads, takes the step: no Python per
-        tensor. False where it cannot (grads to unscale first, new momentum buffers, a tensor
-        lr): the plan's grads are released and the caller takes the list path."""
-        momentum, lr = group["momentum"], group["lr"]
-        if (
-            (scaling is not None and scaling.grad_scale is not None)
-            or (momentum != 0 and any(b.fresh))
-            or isinstance(lr, torch.Tensor)
-        ):
-            b.native.release()
-            return False
-        if scaling is not None:
-            noop = scaling.flags(b.device).skip
-        else:
-            noop = self._device_flags(b.device).zero
-        return b.native.step(
-            noop, group["weight_decay"], momentum, group["dampening"], lr, group["nesterov"],
-            False, self.wd_after_momentum, 1.0 / self.most_recent_scale,
-        )  # fmt: skip
-
     def _step_kernel(self, group, b: Bucket, grads, scaling: Scaling | None) -> None:
-        if grads is None:
-            if self._native_step(group, b, scaling):
-                return
-            grads = [p.grad for p in b.params]
+        """multi_tensor_sgd over the bucket. ``grads`` is None when the bucket's C++ plan holds
+        this step's grads: the plan then takes the step (no Python per tensor) unless the grads
+        must be unscaled first, new momentum buffers need their first run, or lr is a tensor;
+        then its grads are released and the list path below runs."""
         momentum = group["momentum"]
-        if scaling is not None:
-            flags = scaling.flags(b.device)
-            noop = flags.skip
-            grads = self._unscaled(grads, flags, scaling)
-        else:
-            noop = self._device_flags(b.device).zero
-        copies = b.params if b.masters is not None else []
-        momenta = b.state["momentum_buffer"] if momentum != 0 else grads  # unused without momentum
+        flags = scaling.flags(b.device) if scaling is not None else None
+        noop = flags.skip if flags is not None else self._device_flags(b.device).zero
         hyper = (
             group["weight_decay"],
             momentum,
@@ -246,6 +208,18 @@ class FusedSGD(FusedOptimizer):
         )
         scale = 1.0 / self.most_recent_scale
         fresh = [i for i, f in enumerate(b.fresh) if f] if momentum != 0 else []
+        if grads is None:
+            unscale = scaling is not None and scaling.grad_scale is not None
+            if not (unscale or fresh or isinstance(group["lr"], torch.Tensor)):
+                if b.native.step(noop, *hyper, False, self.wd_after_momentum, scale):
+                    return
+            else:
+                b.native.release()
+            grads = [p.grad for p in b.params]
+        if flags is not None:
+            grads = self._unscaled(grads, flags, scaling)
+        copies = b.params if b.masters is not None else []
+        momenta = b.state["momentum_buffer"] if momentum != 0 else grads  # unused without momentum
         if not fresh:
             ops.multi_tensor_sgd(
                 grads, b.work, momenta, copies, noop, *hyper, False, self.wd_after_momentum, scale
