@@ -87,11 +87,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     say "== tests (one pytest per package, $TEST_JOBS workers each)"
     # TEST_PARALLEL=1: the packages' pytests run side by side (the GPU and 16 cores have room),
     # each logging to its own file, appended to pytest.log in order afterwards.
+    pkg_log() { echo "$OUT/pytest-$(basename "$(dirname "${1%%=*}")").log"; }
     run_pkg() {
       local entry=$1 d limit log
       d=${entry%%=*}; limit=${TEST_TIMEOUT:-3600}
       [ "$entry" != "$d" ] && limit=${entry#*=}
-      log="$OUT/pytest-$(basename "$(dirname "$d")").log"
+      log=$(pkg_log "$entry")
       echo "### $d (limit ${limit} s)" > "$log"
       # An entry may carry its own time limit, packages/x/tests=120; SIGINT at the limit makes
       # pytest stop and still print what failed so far.
@@ -105,7 +106,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     wait
     for entry in $TESTS; do
       d=${entry%%=*}
-      log="$OUT/pytest-$(basename "$(dirname "$d")").log"
+      log=$(pkg_log "$entry")
       cat "$log" >> "$OUT/pytest.log"
       line=$(grep -E "(passed|failed|error)" "$log" | tail -1)
       say "$(printf '%-40s %-6s %s' "$d" "$(tail -1 "$log")" "$line")"

@@ -35,6 +35,12 @@ from bench_utils import (  # noqa: E402
 
 from apex.multi_tensor_apply import ops  # noqa: E402
 
+# The host-step hyper-parameters every Adam and SGD row passes, op or plan alike:
+# lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay (AdamW as torch's rows);
+# weight_decay, momentum, dampening, lr, nesterov, first_run, wd_after_momentum, scale.
+ADAM = (1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)
+SGD = (1e-4, 0.9, 0.0, 0.1, False, False, False, 1.0)
+
 
 def _params(shapes, dtype=torch.float32):
     ps = make(shapes, dtype)
@@ -54,7 +60,7 @@ def adam_rows(case, shapes) -> list[Row]:
     gb = 28 * n / 1e9
 
     def ours():
-        ops.multi_tensor_adam(gs, ps, ms, vs, noop, 1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)
+        ops.multi_tensor_adam(gs, ps, ms, vs, noop, *ADAM)
 
     lr_t = torch.tensor([1e-4], device="cuda")
     step_t = torch.tensor([10], dtype=torch.int32, device="cuda")
@@ -70,7 +76,7 @@ def adam_rows(case, shapes) -> list[Row]:
     plan = ops.adam_plan(ps, ps, ms, vs)
 
     def ours_plan():
-        plan.step(noop, 1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)
+        plan.step(noop, *ADAM)
 
     torch_fused = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)
     torch_foreach = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True)
@@ -114,7 +120,7 @@ def adam_master_rows(case, shapes) -> list[Row]:
         )
 
     def ours_bf16_moments_fp32():
-        ops.multi_tensor_adam(gs, masters, ms, vs, noop, 1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)
+        ops.multi_tensor_adam(gs, masters, ms, vs, noop, *ADAM)
 
     rows = [
         Row(
@@ -147,14 +153,12 @@ def sgd_rows(case, shapes) -> list[Row]:
     n = numel(ps)
 
     def ours():
-        ops.multi_tensor_sgd(
-            gs, ps, bufs, None, noop, 1e-4, 0.9, 0.0, 0.1, False, False, False, 1.0
-        )
+        ops.multi_tensor_sgd(gs, ps, bufs, None, noop, *SGD)
 
     plan = ops.sgd_plan(ps, ps, bufs)
 
     def ours_plan():
-        plan.step(noop, 1e-4, 0.9, 0.0, 0.1, False, False, False, 1.0)
+        plan.step(noop, *SGD)
 
     torch_fused = torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
     torch_foreach = torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)
@@ -232,10 +236,10 @@ def _sweep_size(k: int) -> list[Row]:
     torch_sgd.step()  # its momentum buffers
     cases = [
         ("adam fp32 by size", "apex_mta adam_plan", 28,
-         lambda: adam.step(noop, 1e-4, 0.9, 0.999, 1e-8, 10, 1, True, 0.01)),
+         lambda: adam.step(noop, *ADAM)),
         ("adam fp32 by size", "torch AdamW(fused=True)", 28, torch_adam.step),
         ("sgd momentum fp32 by size", "apex_mta sgd_plan", 20,
-         lambda: sgd.step(noop, 1e-4, 0.9, 0.0, 0.1, False, False, False, 1.0)),
+         lambda: sgd.step(noop, *SGD)),
         ("sgd momentum fp32 by size", "torch SGD(fused=True)", 20, torch_sgd.step),
         ("l2norm fp32 by size", "apex_mta l2norm", 4,
          lambda: ops.multi_tensor_l2norm(gs, noop, False)),

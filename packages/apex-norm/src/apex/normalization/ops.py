@@ -19,9 +19,9 @@ fits). When the library cannot be had, CUDA falls back to the reference after on
 ``mean`` and ``invvar`` are float32 (float64 for float64 input), 1-D, one per row (the input's
 leading dimensions flattened). A missing weight or bias gives an empty (shape [0]) gradient. The
 forward ops are differentiable themselves (``OpLibrary.register_autograd``, which also serves
-torch 2.3); the apex autograd Functions in fused_layer_norm.py call them
-too. The ops expect valid arguments: the functions in this module and in fused_layer_norm.py
-check them first (``validate``).
+torch 2.3); the apex autograd Functions in fused_layer_norm.py call them too. The ops expect valid
+arguments: the functions in this module and in fused_layer_norm.py check them first
+(``validate``).
 """
 
 from __future__ import annotations
