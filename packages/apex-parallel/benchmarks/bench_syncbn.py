@@ -10,9 +10,15 @@ is initialised so both SyncBatchNorms run as in training:
   directly, because the module itself drops to a local batch_norm at world size 1.
 - ``torch BatchNorm2d``: cuDNN/native batch norm.
 
-Per row: device ms (CUDA events, median), host ms to issue one call (median, no sync inside),
-and bytes as 5 tensors moved (x read and y written forward; dy and x read, dx written backward)
-against a device-to-device copy measured in the same run. The DDP rows time a whole forward +
+Per row: ms (CUDA events around one eager call, median: for a host-bound implementation this
+is the host's pace, not the kernels'), host ms to issue one call (median, no sync inside), and
+bytes as 5 tensors moved (x read and y written forward; dy and x read, dx written backward)
+against a device-to-device copy measured in the same run. ``graph ms`` is the kernel time: the
+same forward+backward captured in a CUDA graph (10 calls per graph) and replayed, so launch gaps
+and host time vanish; ``graph pct copy`` is the bandwidth figure of that kernel time, and
+``host over kernel`` is host ms / graph ms (below 1: the GPU, not the host, sets the pace).
+An implementation whose call cannot be captured (a collective or a host sync inside) shows
+nan there and the reason is printed. The DDP rows time a whole forward +
 backward of a small convolutional model (bytes 0: not a bandwidth benchmark).
 """
 
@@ -30,7 +36,15 @@ import torch.distributed as dist
 from apex.parallel import DistributedDataParallel, SyncBatchNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "apex-mta-kernels" / "benchmarks"))
-from bench_utils import Row, copy_bandwidth, host_ms, time_cuda, wall_ms, write  # noqa: E402
+from bench_utils import (  # noqa: E402
+    Row,
+    copy_bandwidth,
+    graph_ms,
+    host_ms,
+    time_cuda,
+    wall_ms,
+    write,
+)
 
 SHAPE = (64, 256, 56, 56)
 
@@ -64,7 +78,21 @@ def torch_sync_path(bn):
     return run
 
 
-def bn_rows(dtype, layout, have_group):
+def kernel_ms(step, name, case):
+    """Kernel time of ``step`` from CUDA-graph replays, or nan (with the reason printed)."""
+    try:
+        ms = graph_ms(step)
+    except Exception as e:  # noqa: BLE001 - capture may break the process group's stream state
+        print(f"{name} {case}: no CUDA graph ({type(e).__name__}: {e})")
+        torch.cuda.synchronize()
+        return float("nan")
+    if ms is None:
+        print(f"{name} {case}: not capturable in a CUDA graph (a collective or host sync inside)")
+        return float("nan")
+    return ms
+
+
+def bn_rows(dtype, layout, have_group, graphs):
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     x = (
         torch.randn(SHAPE, device="cuda", dtype=dtype)
@@ -93,8 +121,23 @@ def bn_rows(dtype, layout, have_group):
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the rest
             print(f"{name} {case}: {type(e).__name__}: {e}")
             continue
-        rows.append(Row("syncbn fwd+bwd", case, name, ms, gbytes, host, {"wall_ms": wall}))
+        row = Row("syncbn fwd+bwd", case, name, ms, gbytes, host, {"wall_ms": wall})
+        rows.append(row)
+        graphs.append((row, step))
     return rows
+
+
+def add_kernel_times(graphs, ceiling):
+    """The CUDA-graph pass, after every eager measurement: torch's sync path (an NCCL
+    collective inside) goes last, so a capture that breaks the process group spoils nothing."""
+    graphs = sorted(graphs, key=lambda rs: rs[0].impl.startswith("torch SyncBatchNorm"))
+    for row, step in graphs:
+        kms = kernel_ms(step, row.impl, row.case)
+        row.extra.update(
+            graph_ms=kms,
+            graph_pct_copy=100 * (row.gbytes / kms) / ceiling.tbps,
+            host_over_kernel=row.host_ms / kms,
+        )
 
 
 def ddp_rows():
@@ -156,12 +199,13 @@ def main() -> None:
     torch.cuda.set_device(0)
     have_group = init_one_rank_group()
     ceiling = copy_bandwidth()
-    rows = []
+    rows, graphs = [], []
     for dtype in (torch.bfloat16, torch.float32):
         for layout in ("channels_last", "nchw"):
-            rows += bn_rows(dtype, layout, have_group)
+            rows += bn_rows(dtype, layout, have_group, graphs)
     if have_group:
         rows += ddp_rows()
+    add_kernel_times(graphs, ceiling)
     table = write(rows, ceiling, args.out, "bench_syncbn")
     wall = ["", "| impl | case | wall ms (fwd+bwd, synced) |", "|---|---|---:|"]
     wall += [f"| {r.impl} | {r.case} | {r.extra['wall_ms']:.3f} |" for r in rows]

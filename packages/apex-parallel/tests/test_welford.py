@@ -46,6 +46,24 @@ def _dims(x):
     return (0, 2) if x.dim() == 3 else (0,)
 
 
+def _fused_args(name, x, g, z, w, b):
+    """opcheck arguments of SyncBatchNorm's fused ops (None for the others)."""
+    if not name.startswith("syncbn_"):
+        return None
+    stats = reference.syncbn_stats(x)
+    rm, rv = torch.zeros_like(w), torch.ones_like(w)
+    nbt = torch.zeros((), dtype=torch.long, device=x.device)
+    _, saved = reference.syncbn_forward(x, stats, None, w, b, None, None, None, 1e-5, 0.1, False)
+    y = reference.batchnorm_forward(x, saved[: x.shape[1]], saved[x.shape[1] : -1], w, b)
+    sums = torch.randn(2 * x.shape[1], device=x.device)
+    return {
+        "syncbn_stats": (x,),
+        "syncbn_forward": (x, torch.stack([stats, stats]), z, w, b, rm, rv, nbt, 1e-5, None, True),
+        "syncbn_backward_reduce": (g, x, saved, w, y),
+        "syncbn_backward": (g, x, saved, w, sums, None),
+    }[name]
+
+
 # ---- references (CPU) -------------------------------------------------------------------------
 
 
@@ -93,22 +111,25 @@ def test_opcheck_on_cpu(name):
     x, g, z, w, b = _inputs((3, 4, 6), torch.float32, "cpu")
     mean, var = reference.welford_mean_var(x)
     inv = torch.rsqrt(var + 1e-5)
-    args = {
-        "welford_mean_var": (x,),
-        "welford_parallel": (mean.view(1, -1), var.view(1, -1), torch.tensor([18.0]), 1e-5),
-        "batchnorm_forward": (x, mean, inv, w, b, z, True),
-        "batchnorm_backward_reduce": (g, x, mean, inv),
-        "batchnorm_backward": (
-            g,
-            x,
-            mean,
-            inv,
-            w,
-            torch.randn(4),
-            torch.randn(4),
-            torch.tensor([18.0]),
-        ),
-    }[name]
+    args = (
+        _fused_args(name, x, g, z, w, b)
+        or {
+            "welford_mean_var": (x,),
+            "welford_parallel": (mean.view(1, -1), var.view(1, -1), torch.tensor([18.0]), 1e-5),
+            "batchnorm_forward": (x, mean, inv, w, b, z, True),
+            "batchnorm_backward_reduce": (g, x, mean, inv),
+            "batchnorm_backward": (
+                g,
+                x,
+                mean,
+                inv,
+                w,
+                torch.randn(4),
+                torch.randn(4),
+                torch.tensor([18.0]),
+            ),
+        }[name]
+    )
     opcheck(getattr(torch.ops.apex_parallel, name).default, args)
 
 
@@ -238,27 +259,30 @@ def test_opcheck_on_cuda(name):
     x, g, z, w, b = _inputs((3, 8, 16), torch.bfloat16, "cuda")
     mean, var = reference.welford_mean_var(x)
     inv = torch.rsqrt(var + 1e-5)
-    args = {
-        "welford_mean_var": (x,),
-        "welford_parallel": (
-            mean.view(1, -1),
-            var.view(1, -1),
-            torch.tensor([48.0], device="cuda"),
-            1e-5,
-        ),
-        "batchnorm_forward": (x, mean, inv, w, b, z, True),
-        "batchnorm_backward_reduce": (g, x, mean, inv),
-        "batchnorm_backward": (
-            g,
-            x,
-            mean,
-            inv,
-            w,
-            torch.randn(8, device="cuda"),
-            torch.randn(8, device="cuda"),
-            torch.tensor([48.0], device="cuda"),
-        ),
-    }[name]
+    args = (
+        _fused_args(name, x, g, z, w, b)
+        or {
+            "welford_mean_var": (x,),
+            "welford_parallel": (
+                mean.view(1, -1),
+                var.view(1, -1),
+                torch.tensor([48.0], device="cuda"),
+                1e-5,
+            ),
+            "batchnorm_forward": (x, mean, inv, w, b, z, True),
+            "batchnorm_backward_reduce": (g, x, mean, inv),
+            "batchnorm_backward": (
+                g,
+                x,
+                mean,
+                inv,
+                w,
+                torch.randn(8, device="cuda"),
+                torch.randn(8, device="cuda"),
+                torch.tensor([48.0], device="cuda"),
+            ),
+        }[name]
+    )
     opcheck(getattr(torch.ops.apex_parallel, name).default, args)
 
 

@@ -37,11 +37,32 @@ SCHEMAS = {
         "batchnorm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor inv_std, "
         "Tensor? weight, Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor"
     ),
+    # SyncBatchNorm's own path: one op per phase, per-channel results packed in one buffer so
+    # one collective carries them (reference.py describes the packing).
+    "syncbn_stats": "syncbn_stats(Tensor input) -> Tensor",
+    "syncbn_forward": (
+        "syncbn_forward(Tensor input, Tensor stats, Tensor? z, Tensor? weight, Tensor? bias, "
+        "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
+        "float eps, float? momentum, bool fuse_relu) -> (Tensor, Tensor)"
+    ),
+    "syncbn_backward_reduce": (
+        "syncbn_backward_reduce(Tensor grad_out, Tensor input, Tensor saved, Tensor? weight, "
+        "Tensor? relu_out) -> (Tensor, Tensor, Tensor)"
+    ),
+    "syncbn_backward": (
+        "syncbn_backward(Tensor grad_out, Tensor input, Tensor saved, Tensor? weight, "
+        "Tensor sums, Tensor? relu_out) -> Tensor"
+    ),
 }
 
 
-def _stats_like(input: torch.Tensor):
-    return input.new_empty((input.shape[1],), dtype=torch.float32)
+def _stats_like(input: torch.Tensor, k: int = 1, extra: int = 0):
+    return input.new_empty((k * input.shape[1] + extra,), dtype=torch.float32)
+
+
+def _param_grad_like(input: torch.Tensor, weight: torch.Tensor | None):
+    dtype = torch.float32 if weight is None else weight.dtype
+    return input.new_empty((input.shape[1],), dtype=dtype)
 
 
 _FAKES = {
@@ -61,6 +82,19 @@ _FAKES = {
         lambda grad_out, input, mean, inv_std, weight, sum_dy, sum_dy_xmu, count: torch.empty_like(
             input
         )
+    ),
+    "syncbn_stats": lambda input: _stats_like(input, 2, 1),
+    "syncbn_forward": lambda input, stats, z, weight, bias, rm, rv, nbt, eps, momentum, relu: (
+        torch.empty_like(input),
+        _stats_like(input, 2, 1),
+    ),
+    "syncbn_backward_reduce": lambda grad_out, input, saved, weight, relu_out: (
+        _stats_like(input, 2),
+        _param_grad_like(input, weight),
+        _param_grad_like(input, weight),
+    ),
+    "syncbn_backward": lambda grad_out, input, saved, weight, sums, relu_out: torch.empty_like(
+        input
     ),
 }
 
@@ -214,3 +248,95 @@ def batchnorm_backward(
     return torch.ops.apex_parallel.batchnorm_backward(
         grad_out, input, mean, inv_std, weight, sum_dy, sum_dy_xmu, count.contiguous()
     )
+
+
+# ---- SyncBatchNorm's own path (see reference.py for the packed buffers) --------------------------
+
+
+def _check_nd(op: str, name: str, t: torch.Tensor, input: torch.Tensor | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dim() < 2:
+        raise ValueError(f"{op}: {name} must be (N, C, *), got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    if input is not None:
+        if t.shape != input.shape:
+            raise ValueError(
+                f"{op}: {name} has shape {tuple(t.shape)} but input has {tuple(input.shape)}"
+            )
+        if t.dtype != input.dtype:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype} but input has {input.dtype}")
+        if t.device != input.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but input is on {input.device}")
+
+
+def _check_packed(
+    op: str, name: str, t: torch.Tensor, input: torch.Tensor, per_rank: int, exact: bool = True
+) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise TypeError(f"{op}: {name} must be a contiguous float32 tensor, got {t.dtype}")
+    if t.device != input.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but input is on {input.device}")
+    if t.numel() != per_rank if exact else (t.numel() == 0 or t.numel() % per_rank):
+        raise ValueError(
+            f"{op}: {name} must hold {'' if exact else 'a multiple of '}{per_rank} values "
+            f"(C = {input.shape[1]}), got shape {tuple(t.shape)}"
+        )
+
+
+def syncbn_stats(input: torch.Tensor) -> torch.Tensor:
+    """This rank's ``[mean (C), biased var (C), count]``, float32 [2C + 1], for all_gather."""
+    _check_nd("syncbn_stats", "input", input)
+    return torch.ops.apex_parallel.syncbn_stats(input)
+
+
+def syncbn_forward(
+    input, stats, z=None, weight=None, bias=None, running_mean=None, running_var=None,
+    num_batches_tracked=None, eps=1e-5, momentum=0.1, fuse_relu=False,
+):  # fmt: skip
+    """Merge the gathered ``stats`` of every rank, update the running estimates in place and
+    normalise; returns ``(out, saved)`` (``saved``: global mean, inv_std, count)."""
+    op = "syncbn_forward"
+    _check_nd(op, "input", input)
+    c = input.shape[1]
+    _check_packed(op, "stats", stats, input, 2 * c + 1, exact=False)
+    if z is not None:
+        _check_nd(op, "z", z, input)
+    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
+                    ("running_var", running_var)):  # fmt: skip
+        _check_vec(op, name, t, input, False)
+    if num_batches_tracked is not None and (
+        num_batches_tracked.numel() != 1 or num_batches_tracked.dtype != torch.int64
+    ):
+        raise TypeError(f"{op}: num_batches_tracked must be one int64 value")
+    return torch.ops.apex_parallel.syncbn_forward(
+        input, stats, z, weight, bias, running_mean, running_var, num_batches_tracked,
+        float(eps), None if momentum is None else float(momentum), bool(fuse_relu),
+    )  # fmt: skip
+
+
+def syncbn_backward_reduce(grad_out, input, saved, weight=None, relu_out=None):
+    """``(sums, grad_weight, grad_bias)``: float32 [2C] ``sum(dy), sum(dy * (x - mean))`` for
+    the all_reduce, and this rank's parameter gradients in ``weight``'s dtype."""
+    op = "syncbn_backward_reduce"
+    _check_nd(op, "input", input)
+    _check_nd(op, "grad_out", grad_out, input)
+    _check_packed(op, "saved", saved, input, 2 * input.shape[1] + 1)
+    _check_vec(op, "weight", weight, input, False)
+    if relu_out is not None:
+        _check_nd(op, "relu_out", relu_out, input)
+    return torch.ops.apex_parallel.syncbn_backward_reduce(grad_out, input, saved, weight, relu_out)
+
+
+def syncbn_backward(grad_out, input, saved, weight, sums, relu_out=None):
+    """The input gradient from the all-reduced ``sums``."""
+    op = "syncbn_backward"
+    _check_nd(op, "input", input)
+    _check_nd(op, "grad_out", grad_out, input)
+    _check_packed(op, "saved", saved, input, 2 * input.shape[1] + 1)
+    _check_packed(op, "sums", sums, input, 2 * input.shape[1])
+    _check_vec(op, "weight", weight, input, False)
+    if relu_out is not None:
+        _check_nd(op, "relu_out", relu_out, input)
+    return torch.ops.apex_parallel.syncbn_backward(grad_out, input, saved, weight, sums, relu_out)

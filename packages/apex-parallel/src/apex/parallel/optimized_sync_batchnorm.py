@@ -14,6 +14,8 @@ from .optimized_sync_batchnorm_kernel import SyncBatchnormFunction
 
 __all__ = ["SyncBatchNorm"]
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _channels_last_format(x: torch.Tensor) -> bool:
     if x.dim() == 4:
@@ -126,7 +128,7 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm: expected {c} channels in dimension 1, got input of shape "
                 f"{tuple(input.shape)}"
             )
-        return "torch_cl" if _channels_last_format(input) else "ncl"
+        return "nc"  # channels in dimension 1, any memory format ("torch_cl" or "ncl")
 
     def _group(self):
         """(process group, world size) of the synchronisation; world size 1 without one."""
@@ -152,49 +154,49 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(
                 f"SyncBatchNorm: z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}"
             )
-        if input.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if input.dtype not in _FLOATS:
             raise TypeError(
                 f"SyncBatchNorm: input dtype {input.dtype} is not supported (float32, float16, bfloat16)"
             )
-
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
-        use_batch_stats = self.training or self.running_mean is None
-        c = self.num_features
-        # Views where the layout allows (differentiable either way).
-        x = _to_canonical(input, layout, c)
-        z2 = None if z is None else _to_canonical(z, layout, c)
-
-        if not use_batch_stats:
-            y = self._eval_forward(x, z2)
-        elif not self.training:
+        if not self.training and self.running_mean is not None:
+            return self._eval_forward(input, z, layout)
+        # The ops read (N, C, *) input in its own layout, contiguous or channels_last; apex's
+        # (..., C) layout is flattened inside the Function (no autograd view nodes either way).
+        flat = layout == "mc" and input.dim() > 2
+        if not self.training:
             # No running statistics in eval: this rank's own batch statistics, no communication.
-            y = SyncBatchnormFunction.apply(
-                x, z2, self.weight, self.bias, None, None, self.eps, 0.0, None, 1, self.fuse_relu
-            )
-        else:
-            group, world = self._group()
-            y = SyncBatchnormFunction.apply(
-                x,
-                z2,
-                self.weight,
-                self.bias,
-                self.running_mean,
-                self.running_var,
-                self.eps,
-                factor,
-                group,
-                world,
-                self.fuse_relu,
-            )
-        return _from_canonical(y, layout, input.shape)
+            return SyncBatchnormFunction.apply(
+                input, z, self.weight, self.bias, None, None, self.eps, 0.0, None, 1,
+                self.fuse_relu, None, flat,
+            )  # fmt: skip
+        group, world = self._group()
+        # num_batches_tracked is incremented, and momentum=None's factor 1 / num_batches_tracked
+        # taken, on the device by the forward op: no host sync, no extra launch.
+        track = self.track_running_stats and self.num_batches_tracked is not None
+        return SyncBatchnormFunction.apply(
+            input,
+            z,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.eps,
+            self.momentum if self.momentum is not None or track else 0.0,
+            group,
+            world,
+            self.fuse_relu,
+            self.num_batches_tracked if track else None,
+            flat,
+        )
 
-    def _eval_forward(self, x, z):
+    def _eval_forward(self, input, z, layout):
         """Normalisation by the running estimates (differentiable, local): torch's batch_norm,
         which takes the canonical (N, C, L) and (M, C) layouts as they are."""
+        c = self.num_features
+        if layout == "nc":
+            layout = "torch_cl" if _channels_last_format(input) else "ncl"
+        x = _to_canonical(input, layout, c)
+        z = None if z is None else _to_canonical(z, layout, c)
         y = torch.nn.functional.batch_norm(
             x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
         )
@@ -202,4 +204,4 @@ class SyncBatchNorm(_BatchNorm):
             y = y + z
         if self.fuse_relu:
             y = torch.relu(y)
-        return y.contiguous()
+        return _from_canonical(y.contiguous(), layout, input.shape)

@@ -1,9 +1,15 @@
-"""The autograd Function behind SyncBatchNorm: local Welford statistics, one all_gather of
-``(mean, biased var, count)`` per call (so ranks may hold different batch sizes, or none), the
-merge, the elementwise forward; in backward, the local reductions, one all_reduce of
-``(sum_dy, sum_dy_xmu)`` and the elementwise input gradient.
+"""The autograd Function behind SyncBatchNorm.
 
-Inputs arrive in a canonical layout, ``(N, C, L)`` or ``(M, C)`` contiguous (see ops.py).
+Forward: one op for this rank's statistics, packed as ``[mean, biased var, count]`` in one
+float32 buffer (so ranks may hold different batch sizes, or none); one all_gather of that buffer;
+one op that merges the ranks, updates the running estimates and ``num_batches_tracked`` on the
+device (no host sync, also for ``momentum=None``) and normalises. Backward: one op for the local
+reductions, packed as ``[sum_dy, sum_dy_xmu]``; one all_reduce of that buffer; one op for the
+input gradient. With one rank the collectives are skipped and the same ops run.
+
+The ops take ``(N, C, *)`` tensors as they come, contiguous or channels_last (the CUDA kernels
+read both in place); apex's ``channel_last`` layout ``(..., C)`` is flattened to ``(M, C)``
+here, inside the Function, so autograd sees no extra view nodes.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import ops  # noqa: F401 - defines the apex_parallel ops
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or getattr(
     dist, "all_gather_into_tensor", None
 )
 
 _ops = torch.ops.apex_parallel
+# The overloads themselves: calling them skips the packets' overload resolution on every call.
+_stats = _ops.syncbn_stats.default
+_forward = _ops.syncbn_forward.default
+_backward_reduce = _ops.syncbn_backward_reduce.default
+_backward = _ops.syncbn_backward.default
 
 # torch.compile traces backward() too. Its dynamo reads ctx.needs_input_grad from torch 2.4 on
 # (pytorch#123700); torch 2.3's raises Unsupported on it, so there forward() records the same
@@ -25,16 +36,13 @@ _ops = torch.ops.apex_parallel
 _DYNAMO_READS_NEEDS_INPUT_GRAD = torch.torch_version.TorchVersion(torch.__version__) >= (2, 4)
 
 
-def gather_stats(mean, var, count: int, process_group, world_size: int):
-    """``[W, C]`` means and variances and ``[W]`` counts of every rank in ``process_group``."""
+def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.Tensor:
+    """Every rank's packed ``[mean, var, count]`` buffer, ``[W * (2C + 1)]`` (one all_gather)."""
     if world_size == 1:
-        return mean.view(1, -1), var.view(1, -1), mean.new_full((1,), float(count))
-    local = torch.cat([mean, var, mean.new_full((1,), float(count))])
-    gathered = local.new_empty((world_size * local.numel(),))
-    _all_gather_flat(gathered, local, group=process_group)
-    gathered = gathered.view(world_size, -1)
-    c = mean.numel()
-    return gathered[:, :c].contiguous(), gathered[:, c : 2 * c].contiguous(), gathered[:, 2 * c]
+        return stats
+    gathered = stats.new_empty((world_size * stats.numel(),))
+    _all_gather_flat(gathered, stats, group=process_group)
+    return gathered
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
@@ -52,65 +60,68 @@ class SyncBatchnormFunction(torch.autograd.Function):
         process_group,
         world_size,
         fuse_relu,
+        num_batches_tracked=None,
+        channels_last_flat=False,
     ):
-        count = input.numel() // input.shape[1]
-        if count == 1 and world_size == 1:
+        """``momentum``: the running-average factor, or None for ``1 / num_batches_tracked``
+        (``num_batches_tracked``, when given, is incremented on the device).
+        ``channels_last_flat``: ``input`` (and ``z``) are apex's ``(..., C)`` layout."""
+        shape = input.shape
+        x = input
+        if channels_last_flat and input.dim() != 2:
+            x = input.view(-1, shape[-1])
+            if z is not None:
+                z = z.reshape(x.shape)
+        c = x.shape[1]
+        if world_size == 1 and c and x.numel() == c:
             raise ValueError(
                 "SyncBatchNorm: expected more than 1 value per channel when training, got an "
-                f"input of canonical shape {tuple(input.shape)}"
+                f"input of shape {tuple(shape)}"
             )
-        mean, var = ops.welford_mean_var(input)
-        means, vars_, counts = gather_stats(mean, var, count, process_group, world_size)
-        mean, var_unbiased, inv_std = ops.welford_parallel(
-            means.contiguous(), vars_.contiguous(), counts, eps
-        )
-        if running_mean is not None:
-            with torch.no_grad():
-                running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-                running_var.lerp_(var_unbiased.to(running_var.dtype), momentum)
-        out = ops.batchnorm_forward(input, mean, inv_std, weight, bias, z, fuse_relu)
-        ctx.save_for_backward(input, weight, mean, inv_std, counts, out if fuse_relu else None)
+        stats = gather_stats(_stats(x), process_group, world_size)
+        out, saved = _forward(
+            x, stats, z, weight, bias, running_mean, running_var, num_batches_tracked,
+            eps, momentum, fuse_relu,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, saved, out if fuse_relu else None)
         ctx.process_group = process_group
         ctx.world_size = world_size
-        ctx.fuse_relu = fuse_relu
         ctx.has_z = z is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.shape = shape if x is not input else None
         if not _DYNAMO_READS_NEEDS_INPUT_GRAD:
             ctx.grads_needed = tuple(
                 t is not None and t.requires_grad for t in (input, z, weight, bias)
             )
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return out
+        return out if x is input else out.view(shape)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight, mean, inv_std, counts, out = ctx.saved_tensors
-        dy = grad_output.contiguous()
-        if ctx.fuse_relu:
-            dy = dy.masked_fill(out <= 0, 0)
+        x, weight, saved, out = ctx.saved_tensors
+        dy = grad_output if ctx.shape is None else grad_output.reshape(x.shape)
         needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed
         need_input, need_z, need_weight, need_bias = needs[:4]
-        # The ops themselves, not ops.py's checked wrappers: forward() checked input, weight,
-        # mean and inv_std, and dy is contiguous. torch 2.3's torch.compile traces backward()
-        # in a strict mode that refuses the wrappers' is_contiguous() (later torch relaxes it).
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _ops.batchnorm_backward_reduce(
-            dy, input, mean, inv_std
-        )
-        grad_input = None
-        if need_input:
-            if ctx.world_size > 1:
-                both = torch.cat([sum_dy, sum_dy_xmu])
-                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.process_group)
-                sum_dy, sum_dy_xmu = both.chunk(2)
-            grad_input = _ops.batchnorm_backward(
-                dy, input, mean, inv_std, weight, sum_dy, sum_dy_xmu, counts.contiguous()
-            )
-        grad_z = dy if (ctx.has_z and need_z) else None
+        grad_input = grad_weight = grad_bias = None
+        if need_input or (need_weight and weight is not None) or (need_bias and ctx.bias_dtype):
+            sums, grad_weight, grad_bias = _backward_reduce(dy, x, saved, weight, out)
+            if need_input:
+                if ctx.world_size > 1:
+                    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.process_group)
+                grad_input = _backward(dy, x, saved, weight, sums, out)
+                if ctx.shape is not None:
+                    grad_input = grad_input.view(ctx.shape)
+        grad_z = None
+        if ctx.has_z and need_z:
+            grad_z = dy if out is None else dy.masked_fill(out <= 0, 0)
+            if ctx.shape is not None:
+                grad_z = grad_z.view(ctx.shape)
         if weight is None or not need_weight:
             grad_weight = None
-        elif grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
         if ctx.bias_dtype is None or not need_bias:
             grad_bias = None
-        elif grad_bias.dtype != ctx.bias_dtype:
+        elif grad_bias.dtype != ctx.bias_dtype:  # a bias without a weight
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (
+            grad_input, grad_z, grad_weight, grad_bias,
+            None, None, None, None, None, None, None, None, None,
+        )  # fmt: skip

@@ -16,12 +16,13 @@ import torch
 
 
 def _dims(x: torch.Tensor) -> tuple[int, ...]:
-    return (0, 2) if x.dim() == 3 else (0,)
+    """Every dimension but the channels (dimension 1)."""
+    return (0, *range(2, x.dim()))
 
 
 def _per_channel(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A [C] vector shaped to broadcast against ``x`` in its canonical layout."""
-    return v.view(1, -1, 1) if x.dim() == 3 else v.view(1, -1)
+    """A [C] vector shaped to broadcast against ``x`` (channels in dimension 1)."""
+    return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
 def welford_mean_var(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,3 +118,112 @@ def batchnorm_backward(
     g = grad_out.float() - _per_channel(mean_dy, input)
     g = g - xmu * _per_channel(inv * inv * mean_dy_xmu, input)
     return (g * _per_channel(scale, input)).to(input.dtype)
+
+
+# ---- the fused ops of SyncBatchNorm's own path ---------------------------------------------------
+#
+# These take ``(N, C, *)`` tensors as they are (channels in dimension 1, any memory format: the
+# CUDA kernels read contiguous and channels_last tensors in place) and pack their per-channel
+# results into one float32 buffer, so that one collective carries them:
+#
+#   stats  [2C + 1]: local mean, local biased variance, local element count;
+#   saved  [2C + 1]: global mean, inv_std, global element count (what backward needs);
+#   sums   [2C]:     sum(dy), sum(dy * (x - mean)) (all-reduced between the two backward ops).
+
+
+def _like_input(y: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``y`` with the strides of ``torch.empty_like(input)`` (what the CUDA ops return)."""
+    e = torch.empty_like(input)
+    return y if y.stride() == e.stride() else e.copy_(y)
+
+
+def _relu_masked(grad_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    dy = grad_out.float()
+    return dy if out is None else dy.masked_fill(out <= 0, 0.0)
+
+
+def syncbn_stats(input: torch.Tensor) -> torch.Tensor:
+    """``[mean (C), biased var (C), count (1)]`` of this rank's input, float32."""
+    c = input.shape[1]
+    count = input.numel() // c if c else 0
+    if input.numel() == 0:
+        return torch.zeros(2 * c + 1, dtype=torch.float32, device=input.device)
+    var, mean = torch.var_mean(input.float(), dim=_dims(input), correction=0)
+    return torch.cat([mean, var, mean.new_full((1,), float(count))])
+
+
+def syncbn_forward(
+    input: torch.Tensor,
+    stats: torch.Tensor,
+    z: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    eps: float,
+    momentum: float | None,
+    fuse_relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge every rank's ``stats`` (``[W, 2C + 1]`` or flat), update the running estimates
+    (``num_batches_tracked += 1``; factor ``momentum``, or ``1 / num_batches_tracked`` when
+    ``momentum`` is None), and normalise. Returns ``(out, saved)``."""
+    c = input.shape[1]
+    s = stats.reshape(-1, 2 * c + 1).float()
+    counts = s[:, 2 * c]
+    mean, var_u, inv_std = welford_parallel(s[:, :c], s[:, c : 2 * c], counts, eps)
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if running_mean is not None or running_var is not None:
+        if momentum is not None:
+            factor = torch.tensor(float(momentum), device=mean.device)
+        elif num_batches_tracked is not None:
+            factor = 1.0 / num_batches_tracked.to(device=mean.device, dtype=torch.float32)
+        else:
+            factor = torch.tensor(0.0, device=mean.device)
+        for buf, new in ((running_mean, mean), (running_var, var_u)):
+            if buf is not None:
+                buf.copy_(torch.lerp(buf.float(), new, factor).to(buf.dtype))
+    out = _like_input(batchnorm_forward(input, mean, inv_std, weight, bias, z, fuse_relu), input)
+    return out, torch.cat([mean, inv_std, counts.sum().view(1)])
+
+
+def syncbn_backward_reduce(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    weight: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sums = [sum(dy), sum(dy * (x - mean))]`` over this rank (float32 [2C]) and the local
+    weight and bias gradients (in ``weight``'s dtype, float32 without one). ``out`` given (the
+    forward's output under ``fuse_relu``): dy is zero where ``out <= 0``."""
+    c = input.shape[1]
+    dy = _relu_masked(grad_out, out)
+    xmu = input.float() - _per_channel(saved[:c].float(), input)
+    sum_dy = dy.sum(_dims(input))
+    sum_dy_xmu = (dy * xmu).sum(_dims(input))
+    dtype = torch.float32 if weight is None else weight.dtype
+    grad_weight = (sum_dy_xmu * saved[c : 2 * c].float()).to(dtype)
+    return torch.cat([sum_dy, sum_dy_xmu]), grad_weight, sum_dy.to(dtype)
+
+
+def syncbn_backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    weight: torch.Tensor | None,
+    sums: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The input gradient from the all-reduced ``sums`` (see batchnorm_backward)."""
+    c = input.shape[1]
+    n = saved[2 * c].float().clamp_min(1.0)
+    mean, inv = saved[:c].float(), saved[c : 2 * c].float()
+    scale = inv if weight is None else inv * weight.float()
+    mean_dy = sums[:c].float() / n
+    mean_dy_xmu = sums[c:].float() / n
+    xmu = input.float() - _per_channel(mean, input)
+    g = _relu_masked(grad_out, out) - _per_channel(mean_dy, input)
+    g = g - xmu * _per_channel(inv * inv * mean_dy_xmu, input)
+    return _like_input((g * _per_channel(scale, input)).to(input.dtype), input)

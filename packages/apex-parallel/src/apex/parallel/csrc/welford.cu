@@ -185,7 +185,22 @@ __global__ void stats_mc_kernel(const T* __restrict__ x, int64_t M, int64_t C, i
   for (int v = 0; v < VEC; ++v) mean[v] = m2[v] = 0.f;
   float n = 0.f;
   if (c0 < C) {
-    for (int64_t r = static_cast<int64_t>(s) * kRowsMC + ty; r < M; r += static_cast<int64_t>(S) * kRowsMC) {
+    // Two rows per iteration: two independent 16-byte loads in flight per thread.
+    const int64_t rs = static_cast<int64_t>(S) * kRowsMC;
+    int64_t r = static_cast<int64_t>(s) * kRowsMC + ty;
+    for (; r + rs < M; r += 2 * rs) {
+      const Pack<T, VEC> p0 = *reinterpret_cast<const Pack<T, VEC>*>(x + r * C + c0);
+      const Pack<T, VEC> p1 = *reinterpret_cast<const Pack<T, VEC>*>(x + (r + rs) * C + c0);
+      n += 1.f;
+      float inv_n = 1.f / n;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) welford_add(mean[v], m2[v], inv_n, static_cast<float>(p0.v[v]));
+      n += 1.f;
+      inv_n = 1.f / n;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) welford_add(mean[v], m2[v], inv_n, static_cast<float>(p1.v[v]));
+    }
+    if (r < M) {
       const Pack<T, VEC> p = *reinterpret_cast<const Pack<T, VEC>*>(x + r * C + c0);
       n += 1.f;
       const float inv_n = 1.f / n;
@@ -217,8 +232,11 @@ __global__ void stats_mc_kernel(const T* __restrict__ x, int64_t M, int64_t C, i
 
 // One warp per channel merges its S partials (S reaches about a thousand on channels-last
 // input, too many for one thread to walk): lanes take every 32nd partial, then shuffle-merge.
+// count_out (optional) receives `count`: the packed [mean, var, count] buffer of syncbn_stats.
 __global__ void stats_finalize_kernel(const float* __restrict__ ws, int S, int64_t C, float* __restrict__ mean_out,
-                                      float* __restrict__ var_out) {
+                                      float* __restrict__ var_out, float* __restrict__ count_out = nullptr,
+                                      float count = 0.f) {
+  if (count_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *count_out = count;
   const int lane = threadIdx.x & 31;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (c >= C) return;  // c is the same for the whole warp
@@ -260,7 +278,8 @@ __global__ void welford_parallel_kernel(const float* __restrict__ means, const f
 
 template <typename T, int VEC>
 __global__ void reduce_ncl_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_p,
-                                  int64_t N, int64_t C, int64_t L, int S, float* __restrict__ ws) {
+                                  int64_t N, int64_t C, int64_t L, int S, float* __restrict__ ws,
+                                  const T* __restrict__ relu = nullptr) {
   const int64_t c = blockIdx.x;
   const int s = blockIdx.y;
   const float mean = mean_p[c];
@@ -276,9 +295,11 @@ __global__ void reduce_ncl_kernel(const T* __restrict__ dy, const T* __restrict_
     const int64_t off = (row * C + c) * L;
     const Pack<T, VEC> px = reinterpret_cast<const Pack<T, VEC>*>(x + off)[j];
     const Pack<T, VEC> pg = reinterpret_cast<const Pack<T, VEC>*>(dy + off)[j];
+    Pack<T, VEC> pr;
+    if (relu != nullptr) pr = reinterpret_cast<const Pack<T, VEC>*>(relu + off)[j];
 #pragma unroll
     for (int v = 0; v < VEC; ++v) {
-      const float g = static_cast<float>(pg.v[v]);
+      const float g = relu != nullptr && !(static_cast<float>(pr.v[v]) > 0.f) ? 0.f : static_cast<float>(pg.v[v]);
       sdy += g;
       sdyx += g * (static_cast<float>(px.v[v]) - mean);
     }
@@ -299,7 +320,8 @@ __global__ void reduce_ncl_kernel(const T* __restrict__ dy, const T* __restrict_
 
 template <typename T, int VEC>
 __global__ void reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_p,
-                                 int64_t M, int64_t C, int S, float* __restrict__ ws) {
+                                 int64_t M, int64_t C, int S, float* __restrict__ ws,
+                                 const T* __restrict__ relu = nullptr) {
   __shared__ float sh[kRowsMC][32 * VEC][2];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * 32 + tx) * VEC;
@@ -311,16 +333,27 @@ __global__ void reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__
     mean[v] = c0 + v < C ? mean_p[c0 + v] : 0.f;
   }
   if (c0 < C) {
-    for (int64_t r = static_cast<int64_t>(s) * kRowsMC + ty; r < M; r += static_cast<int64_t>(S) * kRowsMC) {
+    // Two rows per iteration: four independent 16-byte loads in flight per thread.
+    const int64_t rs = static_cast<int64_t>(S) * kRowsMC;
+    auto row = [&](int64_t r) {
       const Pack<T, VEC> px = *reinterpret_cast<const Pack<T, VEC>*>(x + r * C + c0);
       const Pack<T, VEC> pg = *reinterpret_cast<const Pack<T, VEC>*>(dy + r * C + c0);
+      Pack<T, VEC> pr;
+      if (relu != nullptr) pr = *reinterpret_cast<const Pack<T, VEC>*>(relu + r * C + c0);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        const float g = static_cast<float>(pg.v[v]);
+        const float g =
+            relu != nullptr && !(static_cast<float>(pr.v[v]) > 0.f) ? 0.f : static_cast<float>(pg.v[v]);
         sdy[v] += g;
         sdyx[v] += g * (static_cast<float>(px.v[v]) - mean[v]);
       }
+    };
+    int64_t r = static_cast<int64_t>(s) * kRowsMC + ty;
+    for (; r + rs < M; r += 2 * rs) {
+      row(r);
+      row(r + rs);
     }
+    if (r < M) row(r);
   }
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
@@ -472,6 +505,170 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
       out.v[v] = static_cast<T>(g * scale);
     }
     *reinterpret_cast<Pack<T, VEC>*>(dx + i) = out;
+  }
+}
+
+// ---- SyncBatchNorm's fused path (syncbn_* ops) ----------------------------------------------------
+// Packed buffers (reference.py): stats [mean C | var C | count], saved [mean C | inv_std C | n],
+// sums [sum_dy C | sum_dy_xmu C].
+
+__device__ __forceinline__ void store_param(void* p, int dtype, int64_t c, float v) {
+  if (dtype == 0) static_cast<float*>(p)[c] = v;
+  else if (dtype == 1) static_cast<at::Half*>(p)[c] = static_cast<at::Half>(v);
+  else static_cast<at::BFloat16*>(p)[c] = static_cast<at::BFloat16>(v);
+}
+
+// torch.lerp's formula, so running estimates match the reference bit for bit in float32.
+__device__ __forceinline__ float lerp_f(float a, float b, float w) {
+  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
+}
+
+// Merges W ranks' packed stats into saved, updates the running estimates and
+// num_batches_tracked. factor: momentum when has_momentum, else 1 / (num_batches_tracked + 1)
+// when it is given (then the grid is one block: thread 0 reads it before anyone writes), else 0.
+__global__ void merge_kernel(const float* __restrict__ stats, int64_t W, int64_t C, float eps, bool has_momentum,
+                             float momentum, int64_t* __restrict__ nbt, void* __restrict__ rmean, int rm_dtype,
+                             void* __restrict__ rvar, int rv_dtype, float* __restrict__ saved) {
+  __shared__ float factor_sh;
+  if (threadIdx.x == 0) {
+    float f = 0.f;
+    if (has_momentum) f = momentum;
+    else if (nbt != nullptr) f = 1.f / static_cast<float>(*nbt + 1);
+    factor_sh = f;
+  }
+  __syncthreads();
+  const float factor = factor_sh;
+  const int64_t P = 2 * C + 1;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float mean = 0.f, m2 = 0.f, n = 0.f;
+    for (int64_t w = 0; w < W; ++w) {
+      const float* s = stats + w * P;
+      const float nb = s[2 * C];
+      chan_merge(mean, m2, n, s[c], s[C + c] * nb, nb);
+    }
+    saved[c] = mean;
+    saved[C + c] = rsqrtf(m2 / fmaxf(n, 1.f) + eps);
+    if (rmean != nullptr) store_param(rmean, rm_dtype, c, lerp_f(load_param(rmean, rm_dtype, c, 0.f), mean, factor));
+    if (rvar != nullptr)
+      store_param(rvar, rv_dtype, c, lerp_f(load_param(rvar, rv_dtype, c, 0.f), m2 / (n - 1.f), factor));
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    float total = 0.f;
+    for (int64_t w = 0; w < W; ++w) total += stats[w * P + 2 * C];
+    saved[2 * C] = total;
+    if (nbt != nullptr) *nbt += 1;
+  }
+}
+
+// sums and the local parameter gradients (in the parameters' dtype P) from the reduction's
+// partials; one warp per channel, as reduce_finalize_kernel.
+template <typename P>
+__global__ void reduce_pack_kernel(const float* __restrict__ ws, int S, int64_t C, const float* __restrict__ saved,
+                                   float* __restrict__ sums, P* __restrict__ grad_weight, P* __restrict__ grad_bias) {
+  const int lane = threadIdx.x & 31;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (c >= C) return;
+  float a = 0.f, b = 0.f;
+  for (int s = lane; s < S; s += 32) {
+    a += ws[(static_cast<int64_t>(s) * C + c) * 2];
+    b += ws[(static_cast<int64_t>(s) * C + c) * 2 + 1];
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    a += __shfl_down_sync(0xffffffff, a, off);
+    b += __shfl_down_sync(0xffffffff, b, off);
+  }
+  if (lane == 0) {
+    sums[c] = a;
+    sums[C + c] = b;
+    grad_weight[c] = static_cast<P>(b * saved[C + c]);
+    grad_bias[c] = static_cast<P>(a);
+  }
+}
+
+// Per-channel coefficients of the elementwise passes.
+//   forward:  y  = (x - mean) * a + b                      a = inv_std * w, b = bias
+//   backward: dx = (g - mean_dy - (x - mean) * k) * a      k = inv_std^2 * sum_dy_xmu / n
+struct Coef {
+  float mean, a, b, k;
+};
+
+struct FusedParams {
+  const float* saved;  // mean | inv_std | n
+  const float* sums;   // backward only: sum_dy | sum_dy_xmu
+  const void* weight;
+  const void* bias;
+  int wdtype, bdtype;
+  int64_t C;
+};
+
+template <bool BACKWARD>
+__device__ __forceinline__ Coef coef_of(const FusedParams& p, int64_t c, float inv_n) {
+  const float inv = p.saved[p.C + c];
+  Coef k;
+  k.mean = p.saved[c];
+  k.a = inv * load_param(p.weight, p.wdtype, c, 1.f);
+  if (BACKWARD) {
+    k.b = p.sums[c] * inv_n;  // mean_dy
+    k.k = inv * inv * p.sums[p.C + c] * inv_n;
+  } else {
+    k.b = load_param(p.bias, p.bdtype, c, 0.f);
+    k.k = 0.f;
+  }
+  return k;
+}
+
+// The fused elementwise pass, forward (y from x, z) or backward (dx from dy, x), with the ReLU
+// mask of fuse_relu. Walks the tensor from its end back to its start (the reduction before it
+// read front to back, so its tail is still in L2). MODE 0: channels first (one channel per
+// pack); 1: channels last; 2: channels last where the grid stride is a multiple of C, so each
+// thread's VEC channels never change and their coefficients live in registers.
+template <typename T, int VEC, int MODE, bool BACKWARD>
+__global__ void fused_elementwise_kernel(const T* __restrict__ a_in,  // forward: x; backward: dy
+                                         const T* __restrict__ x,     // backward: x
+                                         const T* __restrict__ z,     // forward: residual (or null)
+                                         const T* __restrict__ relu,  // backward: forward's output (or null)
+                                         bool relu_fwd, T* __restrict__ out, FusedParams p, int64_t numel,
+                                         int64_t L) {
+  const int64_t C = p.C;
+  const float inv_n = BACKWARD ? 1.f / fmaxf(p.saved[2 * C], 1.f) : 0.f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * VEC;
+  const int64_t first = numel - VEC - (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
+  if (first < 0) return;
+  ChannelCursor cur(first, stride, MODE == 0 ? L : 1, C);
+  Coef fixed[MODE == 2 ? VEC : 1];
+  if constexpr (MODE == 2) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) fixed[v] = coef_of<BACKWARD>(p, cur.c + v, inv_n);
+  }
+  for (int64_t i = first; i >= 0; i -= stride, cur.retreat()) {
+    const Pack<T, VEC> pa = *reinterpret_cast<const Pack<T, VEC>*>(a_in + i);
+    Pack<T, VEC> px, pz, pr;
+    if (BACKWARD) px = *reinterpret_cast<const Pack<T, VEC>*>(x + i);
+    if (!BACKWARD && z != nullptr) pz = *reinterpret_cast<const Pack<T, VEC>*>(z + i);
+    if (BACKWARD && relu != nullptr) pr = *reinterpret_cast<const Pack<T, VEC>*>(relu + i);
+    Coef k0{};
+    if constexpr (MODE == 0) k0 = coef_of<BACKWARD>(p, cur.c, inv_n);
+    Pack<T, VEC> o;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      Coef k;
+      if constexpr (MODE == 0) k = k0;
+      else if constexpr (MODE == 2) k = fixed[v];
+      else k = coef_of<BACKWARD>(p, cur.c + v, inv_n);
+      float r;
+      if (BACKWARD) {
+        float g = static_cast<float>(pa.v[v]);
+        if (relu != nullptr && !(static_cast<float>(pr.v[v]) > 0.f)) g = 0.f;
+        r = (g - k.b - (static_cast<float>(px.v[v]) - k.mean) * k.k) * k.a;
+      } else {
+        r = (static_cast<float>(pa.v[v]) - k.mean) * k.a + k.b;
+        if (z != nullptr) r += static_cast<float>(pz.v[v]);
+        if (relu_fwd) r = fmaxf(r, 0.f);
+      }
+      o.v[v] = static_cast<T>(r);
+    }
+    *reinterpret_cast<Pack<T, VEC>*>(out + i) = o;
   }
 }
 
@@ -788,6 +985,336 @@ at::Tensor batchnorm_backward_cuda(const at::Tensor& grad_out, const at::Tensor&
   return out;
 }
 
+// ---- syncbn_* launchers -----------------------------------------------------------------------------
+
+bool aligned32(const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 32 == 0; }
+
+// How the kernels read an (N, C, *) tensor in place: channels first (contiguous; `ncl`) or
+// channels last ((N, C) contiguous, or 4-D/5-D in torch's channels_last formats). False: neither.
+bool layout_of(const at::Tensor& t, bool& ncl) {
+  if (t.dim() == 2) {
+    ncl = false;
+    return t.is_contiguous();
+  }
+  if (t.is_contiguous()) {
+    ncl = true;
+    return true;
+  }
+  ncl = false;
+  return (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) ||
+         (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d));
+}
+
+at::MemoryFormat format_of(const at::Tensor& t, bool ncl) {
+  if (ncl || t.dim() < 4) return at::MemoryFormat::Contiguous;
+  return t.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
+}
+
+// `t` as it is when the kernels can read it, else a dense copy.
+at::Tensor readable(const at::Tensor& t, bool& ncl) {
+  if (layout_of(t, ncl)) return t;
+  at::Tensor d = t.contiguous(t.dim() >= 4 ? t.suggest_memory_format() : at::MemoryFormat::Contiguous);
+  if (!layout_of(d, ncl)) {
+    d = t.contiguous();
+    ncl = true;
+  }
+  return d;
+}
+
+// `t` (x's shape) in x's layout: as it is, or a copy.
+at::Tensor in_layout(const at::Tensor& t, const at::Tensor& x, bool ncl) {
+  bool n2 = false;
+  if (layout_of(t, n2) && n2 == ncl) return t;
+  return t.contiguous(format_of(x, ncl));
+}
+
+// The tensor an elementwise kernel writes: empty_like(input) (the strides the fake promises)
+// when it is in x's layout, else a scratch tensor copied into it afterwards.
+std::pair<at::Tensor, at::Tensor> output_for(const at::Tensor& input, const at::Tensor& x, bool ncl) {
+  at::Tensor result = at::empty_like(input);
+  bool n2 = false;
+  if (layout_of(result, n2) && n2 == ncl) return {result, result};
+  return {result, at::empty_like(x, x.options(), format_of(x, ncl))};
+}
+
+struct Dims {
+  int64_t N, C, L;  // channels last: N = rows, L = 1
+};
+
+Dims dims_of(const at::Tensor& x, bool ncl) {
+  const int64_t C = x.size(1), numel = x.numel();
+  if (!ncl) return {C ? numel / C : 0, C, 1};
+  const int64_t N = x.size(0);
+  return {N, C, N * C ? numel / (N * C) : 0};
+}
+
+void check_cuda_float(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
+  APEX_CHECK_VALUE(t.dim() >= 2, op, ": ", name, " must be (N, C, *), got ", t.dim(), " dimensions");
+  APEX_CHECK_VALUE(t.device() == input.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
+                   input.device());
+  APEX_CHECK_VALUE(t.sizes() == input.sizes(), op, ": ", name, " must have the input's shape");
+  APEX_CHECK_TYPE(t.scalar_type() == input.scalar_type(), op, ": ", name, " has dtype ", t.scalar_type(),
+                  " but input has ", input.scalar_type());
+}
+
+void check_packed(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input, int64_t per,
+                  bool exact) {
+  APEX_CHECK_VALUE(t.device() == input.device() && t.is_contiguous(), op, ": ", name,
+                   " must be a contiguous tensor on the input's device");
+  APEX_CHECK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  APEX_CHECK_VALUE(exact ? t.numel() == per : (t.numel() > 0 && t.numel() % per == 0), op, ": ", name, " must hold ",
+                   exact ? "" : "a multiple of ", per, " values");
+}
+
+void check_input_nd(const char* op, const at::Tensor& input) {
+  APEX_CHECK_VALUE(input.is_cuda(), op, ": input must be a CUDA tensor, got one on ", input.device());
+  APEX_CHECK_VALUE(input.dim() >= 2, op, ": input must be (N, C, *), got ", input.dim(), " dimensions");
+  const auto st = input.scalar_type();
+  APEX_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, op, ": input has dtype ", st,
+                  "; supported: float32, float16, bfloat16");
+}
+
+// Statistics partials of x into a [S, C, 3] workspace, then the packed [mean | var | count].
+void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* out, cudaStream_t stream) {
+  const int64_t C = d.C;
+  int S = 1;
+  at::Tensor ws;
+  auto fopts = x.options().dtype(at::kFloat);
+  APEX_PAR_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+    constexpr int V = vec_of<T>();
+    const T* xp = x.data_ptr<T>();
+    if (ncl) {
+      // Two 16-byte packs per thread and step where the rows allow (more loads in flight).
+      const int vec = (d.L % (2 * V) == 0 && aligned32(xp)) ? 2 * V : (d.L % V == 0 && aligned16(xp)) ? V : 1;
+      S = splits(C, (d.N * (d.L / vec) + kThreads - 1) / kThreads);
+      ws = at::empty({S, C, 3}, fopts);
+      const dim3 grid(static_cast<unsigned>(C), S);
+      if (vec == 2 * V) stats_ncl_kernel<T, 2 * V><<<grid, kThreads, 0, stream>>>(xp, d.N, C, d.L, S, ws.data_ptr<float>());
+      else if (vec == V) stats_ncl_kernel<T, V><<<grid, kThreads, 0, stream>>>(xp, d.N, C, d.L, S, ws.data_ptr<float>());
+      else stats_ncl_kernel<T, 1><<<grid, kThreads, 0, stream>>>(xp, d.N, C, d.L, S, ws.data_ptr<float>());
+    } else {
+      const bool vec = C % V == 0 && aligned16(xp);
+      const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
+      S = splits(gx, (d.N + kRowsMC - 1) / kRowsMC);
+      ws = at::empty({S, C, 3}, fopts);
+      const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
+      if (vec) stats_mc_kernel<T, V><<<grid, block, 0, stream>>>(xp, d.N, C, S, ws.data_ptr<float>());
+      else stats_mc_kernel<T, 1><<<grid, block, 0, stream>>>(xp, d.N, C, S, ws.data_ptr<float>());
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  stats_finalize_kernel<<<static_cast<unsigned>((C + 7) / 8), 256, 0, stream>>>(
+      ws.data_ptr<float>(), S, C, out, out + C, out + 2 * C, static_cast<float>(d.N * d.L));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor syncbn_stats_cuda(const at::Tensor& input) {
+  constexpr const char* op = "syncbn_stats";
+  check_input_nd(op, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  const Dims d = dims_of(x, ncl);
+  at::Tensor out = at::empty({2 * d.C + 1}, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) return out.zero_();
+  launch_stats_packed(x, ncl, d, out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  return out;
+}
+
+// Blocks of an elementwise pass; *fixed: the grid stride is a multiple of C (channels last).
+unsigned fused_blocks(int64_t numel, int vec, int64_t C, bool mc, bool* fixed) {
+  int64_t blocks = elementwise_blocks(numel, vec);
+  *fixed = false;
+  if (mc && C > 0) {
+    const int64_t per = static_cast<int64_t>(kThreads) * vec;
+    int64_t a = C, b = per;
+    while (b) {
+      const int64_t t = a % b;
+      a = b;
+      b = t;
+    }
+    const int64_t g = C / a;  // blocks must be a multiple of g
+    if (g <= blocks) {
+      blocks = blocks / g * g;
+      *fixed = true;
+    }
+  }
+  return static_cast<unsigned>(blocks);
+}
+
+template <typename T, bool BACKWARD>
+void launch_fused_elementwise(const T* a_in, const T* x, const T* z, const T* relu, bool relu_fwd, T* out,
+                              const FusedParams& p, int64_t numel, bool ncl, int64_t L, cudaStream_t stream) {
+  constexpr int V = vec_of<T>();
+  const int64_t C = p.C;
+  const bool al = aligned16(a_in) && aligned16(x) && aligned16(z) && aligned16(relu) && aligned16(out);
+  const bool vec = al && (ncl ? L % V == 0 : C % V == 0);
+  bool fixed = false;
+  const unsigned blocks = fused_blocks(numel, vec ? V : 1, C, !ncl, &fixed);
+#define APEX_FUSED_LAUNCH(VV, MODE) \
+  fused_elementwise_kernel<T, VV, MODE, BACKWARD><<<blocks, kThreads, 0, stream>>>(a_in, x, z, relu, relu_fwd, out, p, numel, L)
+  if (vec) {
+    if (ncl) APEX_FUSED_LAUNCH(V, 0);
+    else if (fixed) APEX_FUSED_LAUNCH(V, 2);
+    else APEX_FUSED_LAUNCH(V, 1);
+  } else {
+    if (ncl) APEX_FUSED_LAUNCH(1, 0);
+    else if (fixed) APEX_FUSED_LAUNCH(1, 2);
+    else APEX_FUSED_LAUNCH(1, 1);
+  }
+#undef APEX_FUSED_LAUNCH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
+    const at::Tensor& input, const at::Tensor& stats, const std::optional<at::Tensor>& z,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, double eps, std::optional<double> momentum,
+    bool fuse_relu) {
+  constexpr const char* op = "syncbn_forward";
+  check_input_nd(op, input);
+  const int64_t C = input.size(1);
+  check_packed(op, "stats", stats, input, 2 * C + 1, false);
+  if (z.has_value()) check_cuda_float(op, "z", *z, input);
+  check_opt(op, "weight", weight, input);
+  check_opt(op, "bias", bias, input);
+  check_opt(op, "running_mean", running_mean, input);
+  check_opt(op, "running_var", running_var, input);
+  if (num_batches_tracked.has_value()) {
+    const auto& t = *num_batches_tracked;
+    APEX_CHECK_TYPE(t.scalar_type() == at::kLong && t.numel() == 1 && t.device() == input.device(), op,
+                    ": num_batches_tracked must be one int64 value on the input's device");
+  }
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  at::Tensor saved = at::empty({2 * C + 1}, x.options().dtype(at::kFloat));
+  at::Tensor result, out;
+  std::tie(result, out) = output_for(input, x, ncl);
+  if (C == 0) return {result, saved.zero_()};
+  const int64_t W = stats.numel() / (2 * C + 1);
+  const bool has_nbt = num_batches_tracked.has_value();
+  const bool has_m = momentum.has_value();
+  const unsigned mblocks = (!has_m && has_nbt) ? 1u : static_cast<unsigned>(std::min<int64_t>((C + 255) / 256, 1024));
+  merge_kernel<<<mblocks, 256, 0, stream>>>(
+      stats.data_ptr<float>(), W, C, static_cast<float>(eps), has_m, has_m ? static_cast<float>(*momentum) : 0.f,
+      has_nbt ? num_batches_tracked->data_ptr<int64_t>() : nullptr,
+      running_mean.has_value() ? running_mean->data_ptr() : nullptr, param_dtype(running_mean),
+      running_var.has_value() ? running_var->data_ptr() : nullptr, param_dtype(running_var), saved.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t numel = x.numel();
+  if (numel > 0) {
+    const Dims d = dims_of(x, ncl);
+    const FusedParams p{saved.data_ptr<float>(), nullptr, ptr_or_null(weight), ptr_or_null(bias),
+                        param_dtype(weight), param_dtype(bias), C};
+    at::Tensor zz = z.has_value() ? in_layout(*z, x, ncl) : at::Tensor();
+    APEX_PAR_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+      launch_fused_elementwise<T, false>(x.data_ptr<T>(), nullptr, zz.defined() ? zz.data_ptr<T>() : nullptr,
+                                         nullptr, fuse_relu, out.data_ptr<T>(), p, numel, ncl, d.L, stream);
+    });
+    if (!out.is_same(result)) result.copy_(out);
+  }
+  return {result, saved};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_reduce_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& relu_out) {
+  constexpr const char* op = "syncbn_backward_reduce";
+  check_input_nd(op, input);
+  const int64_t C = input.size(1);
+  check_cuda_float(op, "grad_out", grad_out, input);
+  check_packed(op, "saved", saved, input, 2 * C + 1, true);
+  check_opt(op, "weight", weight, input);
+  if (relu_out.has_value()) check_cuda_float(op, "relu_out", *relu_out, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  const at::Tensor dy = in_layout(grad_out, x, ncl);
+  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+  auto fopts = x.options().dtype(at::kFloat);
+  const auto pdtype = weight.has_value() ? weight->scalar_type() : at::kFloat;
+  at::Tensor sums = at::empty({2 * C}, fopts);
+  at::Tensor gw = at::empty({C}, fopts.dtype(pdtype)), gb = at::empty({C}, fopts.dtype(pdtype));
+  if (C == 0) return {sums, gw, gb};
+  if (x.numel() == 0) return {sums.zero_(), gw.zero_(), gb.zero_()};
+  const Dims d = dims_of(x, ncl);
+  int S = 1;
+  at::Tensor ws;
+  const float* m = saved.data_ptr<float>();
+  APEX_PAR_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+    constexpr int V = vec_of<T>();
+    const T* xp = x.data_ptr<T>();
+    const T* g = dy.data_ptr<T>();
+    const T* r = ro.defined() ? ro.data_ptr<T>() : nullptr;
+    if (ncl) {
+      const bool a32 = aligned32(xp) && aligned32(g) && aligned32(r);
+      const bool a16 = aligned16(xp) && aligned16(g) && aligned16(r);
+      const int vec = (d.L % (2 * V) == 0 && a32) ? 2 * V : (d.L % V == 0 && a16) ? V : 1;
+      S = splits(C, (d.N * (d.L / vec) + kThreads - 1) / kThreads);
+      ws = at::empty({S, C, 2}, fopts);
+      const dim3 grid(static_cast<unsigned>(C), S);
+      float* w = ws.data_ptr<float>();
+      if (vec == 2 * V) reduce_ncl_kernel<T, 2 * V><<<grid, kThreads, 0, stream>>>(g, xp, m, d.N, C, d.L, S, w, r);
+      else if (vec == V) reduce_ncl_kernel<T, V><<<grid, kThreads, 0, stream>>>(g, xp, m, d.N, C, d.L, S, w, r);
+      else reduce_ncl_kernel<T, 1><<<grid, kThreads, 0, stream>>>(g, xp, m, d.N, C, d.L, S, w, r);
+    } else {
+      const bool vec = C % V == 0 && aligned16(xp) && aligned16(g) && aligned16(r);
+      const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
+      S = splits(gx, (d.N + kRowsMC - 1) / kRowsMC);
+      ws = at::empty({S, C, 2}, fopts);
+      const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
+      float* w = ws.data_ptr<float>();
+      if (vec) reduce_mc_kernel<T, V><<<grid, block, 0, stream>>>(g, xp, m, d.N, C, S, w, r);
+      else reduce_mc_kernel<T, 1><<<grid, block, 0, stream>>>(g, xp, m, d.N, C, S, w, r);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  const unsigned fblocks = static_cast<unsigned>((C + 7) / 8);
+  APEX_PAR_DISPATCH_FLOAT(pdtype, P, [&] {
+    reduce_pack_kernel<P><<<fblocks, 256, 0, stream>>>(ws.data_ptr<float>(), S, C, m, sums.data_ptr<float>(),
+                                                        gw.data_ptr<P>(), gb.data_ptr<P>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {sums, gw, gb};
+}
+
+at::Tensor syncbn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+                                const std::optional<at::Tensor>& weight, const at::Tensor& sums,
+                                const std::optional<at::Tensor>& relu_out) {
+  constexpr const char* op = "syncbn_backward";
+  check_input_nd(op, input);
+  const int64_t C = input.size(1);
+  check_cuda_float(op, "grad_out", grad_out, input);
+  check_packed(op, "saved", saved, input, 2 * C + 1, true);
+  check_packed(op, "sums", sums, input, 2 * C, true);
+  check_opt(op, "weight", weight, input);
+  if (relu_out.has_value()) check_cuda_float(op, "relu_out", *relu_out, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  at::Tensor result, out;
+  std::tie(result, out) = output_for(input, x, ncl);
+  const int64_t numel = x.numel();
+  if (numel == 0 || C == 0) return result;
+  const at::Tensor dy = in_layout(grad_out, x, ncl);
+  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+  const Dims d = dims_of(x, ncl);
+  const FusedParams p{saved.data_ptr<float>(), sums.data_ptr<float>(), ptr_or_null(weight), nullptr,
+                      param_dtype(weight), 0, C};
+  APEX_PAR_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+    launch_fused_elementwise<T, true>(dy.data_ptr<T>(), x.data_ptr<T>(), nullptr,
+                                      ro.defined() ? ro.data_ptr<T>() : nullptr, false, out.data_ptr<T>(), p, numel,
+                                      ncl, d.L, stream);
+  });
+  if (!out.is_same(result)) result.copy_(out);
+  return result;
+}
+
 }  // namespace
 }  // namespace apex_parallel
 
@@ -797,4 +1324,8 @@ TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
   m.impl("batchnorm_forward", &apex_parallel::batchnorm_forward_cuda);
   m.impl("batchnorm_backward_reduce", &apex_parallel::batchnorm_backward_reduce_cuda);
   m.impl("batchnorm_backward", &apex_parallel::batchnorm_backward_cuda);
+  m.impl("syncbn_stats", &apex_parallel::syncbn_stats_cuda);
+  m.impl("syncbn_forward", &apex_parallel::syncbn_forward_cuda);
+  m.impl("syncbn_backward_reduce", &apex_parallel::syncbn_backward_reduce_cuda);
+  m.impl("syncbn_backward", &apex_parallel::syncbn_backward_cuda);
 }
