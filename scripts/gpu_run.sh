@@ -9,6 +9,7 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1                  # leave a stage out
 #   CACHE_IN=.gl/cache.tgz                       # start from the kernels an earlier run saved
 #   BENCH_TIMEOUT=120                            # seconds per benchmark script
+#   BENCH_ARGS_bench_norm="--profile"            # extra arguments for one benchmark script
 #   DEMO="--skip-cnn" DEMO_TIMEOUT=200           # also demo/run_demo.py on the GPU (demo.tgz)
 #   TEST_JOBS=6                                  # one pytest per package, 6 xdist workers
 #   TESTS="packages/apex-optim/tests=120 ..."   # with TEST_JOBS: a time limit per package
@@ -136,7 +137,9 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     if [ -n "${BENCH:-}" ] && ! echo " $BENCH " | grep -q " $name "; then continue; fi
     say "-- $name"
     T0=$SECONDS
-    timeout "${BENCH_TIMEOUT:-1800}" $PY "$b" --out "$BDIR" 2>&1 | tee -a "$SUMMARY"
+    extra="BENCH_ARGS_$name"  # e.g. BENCH_ARGS_bench_norm="--profile --hidden 1024,4096"
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-1800}" $PY "$b" --out "$BDIR" ${!extra:-} 2>&1 | tee -a "$SUMMARY"
     say "$name: rc=${PIPESTATUS[0]} in $((SECONDS - T0)) s"
   done
   cat "$BDIR"/*.md > "$OUT/bench.md" 2>/dev/null || true

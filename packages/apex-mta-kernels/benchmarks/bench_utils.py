@@ -48,6 +48,30 @@ def time_cuda(fn, warmup: int = 5, rep: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, per_graph: int = 10, warmup: int = 3, rep: int = 15) -> float | None:
+    """Median milliseconds of one ``fn()`` replayed from a CUDA graph of ``per_graph`` calls:
+    the device time of its kernels with the launch gaps shrunk (METHOD.md: "for many small
+    launches, capture a graph and time its replays"). None if ``fn`` cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up off the capture stream (lazy init, autotuning, caches)
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(per_graph):
+                fn()
+    except Exception:  # noqa: BLE001 - not capturable: the caller falls back to events
+        torch.cuda.synchronize()
+        return None
+    ms = time_cuda(graph.replay, warmup=warmup, rep=rep) / per_graph
+    del graph
+    return ms
+
+
 def host_ms(fn, rep: int = 50) -> float:
     """Median host milliseconds to issue ``fn()`` (no sync inside the timed region)."""
     times = []

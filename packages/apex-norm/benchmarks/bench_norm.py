@@ -8,10 +8,12 @@ no_grad) and forward+backward (autograd.grad of x, weight and bias: nothing accu
   compile   torch.compile of a plain nn.LayerNorm / nn.RMSNorm module
 
 Bytes counted (the issue's rule): forward 2 tensors of rows*H (x read, y written), forward+
-backward 5 (adds dy and x read, dx written); weights and statistics are not counted. Times are
-CUDA-event medians; ``% of copy`` compares with a device-to-device copy measured in the same run.
-``wall/kernel`` is the eager wall time of one call (host included, synchronised) over its event
-time: the host overhead. apex's own kernels are not installed on the benchmark machine; its
+backward 5 (adds dy and x read, dx written); weights and statistics are not counted. ``ms`` is the
+device time of one call: the CUDA-event median of replays of a CUDA graph of 10 calls, divided by
+10 (``timing`` says "events" where a call could not be captured and eager calls were timed);
+``% of copy`` compares with a device-to-device copy measured in the same run. ``wall ms`` is one
+eager call, host included, synchronised; ``wall/kernel`` its ratio to ``ms``: the host overhead.
+``--profile`` also lists the kernels of ours per case (bench_norm_profile.txt). apex's own kernels are not installed on the benchmark machine; its
 published figures (issue 5: RMSNorm fwd+bwd 26-40 % of copy, LayerNorm 23-34 %) are quoted in
 the table's header for comparison.
 
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "apex-mta-kernels" / "benchmarks"))
-from bench_utils import Row, copy_bandwidth, time_cuda, wall_ms, write  # noqa: E402
+from bench_utils import Row, copy_bandwidth, graph_ms, time_cuda, wall_ms, write  # noqa: E402
 
 import apex.normalization as N  # noqa: E402
 from apex.normalization import ops  # noqa: E402
@@ -69,7 +71,25 @@ def impls(norm: str, H: int, dtype: torch.dtype):
     ]
 
 
-def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted):
+def kernel_profile(fn, label: str) -> str:
+    """The kernels one call of ``fn`` launches, with their device microseconds (median of 5)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    lines = [f"{label}:"]
+    for e in prof.key_averages():
+        us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+        if e.count:
+            lines.append(f"  {us:9.1f} us x{e.count // 5}  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted, profile=None):
     dtype = DTYPES[dtype_name]
     x = torch.randn(rows, H, device="cuda", dtype=dtype)
     xg = x.clone().requires_grad_(True)
@@ -92,8 +112,16 @@ def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted):
             torch.autograd.grad(y, [xg, *params], dy)
 
         for passname, f, nbytes in (("fwd", fwd, 2), ("fwd+bwd", fwd_bwd, 5)):
-            ms = time_cuda(f, warmup=5, rep=25)
+            # Device time: replays of a CUDA graph of the calls (the kernels alone, launch gaps
+            # shrunk); wall: one eager call, host included, synchronised. Their ratio is the
+            # host overhead the issue bounds (1.3x at H=1024).
+            ms = graph_ms(f)
+            timing = "graph"
+            if ms is None:
+                ms, timing = time_cuda(f, warmup=5, rep=25), "events"
             wall = wall_ms(f, warmup=2, rep=15)
+            if profile is not None and name == "ours":
+                profile.append(kernel_profile(f, f"{case} {passname}"))
             gb = nbytes * rows * H * elem / 1e9
             row = Row(
                 f"{norm} {dtype_name} {passname}",  # one plot each, bandwidth against H
@@ -108,6 +136,7 @@ def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted):
                     "dtype": dtype_name,
                     "pass": passname,
                     "wall_ms": wall,
+                    "timing": timing,
                     "wall_over_kernel": wall / ms if ms > 0 else float("nan"),
                     "pct_copy": 100 * gb / ms / ceiling_tbps,
                 },
@@ -158,6 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", default="1024,2048,4096,8192,16384")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--norms", default="rmsnorm,layernorm")
+    p.add_argument("--profile", action="store_true", help="also list ours' kernels per case")
     p.add_argument(
         "--impls",
         default="ours,torch,compile",
@@ -175,10 +205,11 @@ def main(argv=None) -> int:
     loaded = ops.OPS.ensure_loaded()
     ceiling = copy_bandwidth()
     rows: list[Row] = []
+    profile: list[str] | None = [] if args.profile else None
     for norm in args.norms.split(","):
         for dt in args.dtypes.split(","):
             for H in (int(h) for h in args.hidden.split(",")):
-                bench_case(norm, H, dt, args.rows, ceiling.tbps, rows, args.impls.split(","))
+                bench_case(norm, H, dt, args.rows, ceiling.tbps, rows, args.impls.split(","), profile)
     table = write(rows, ceiling, args.out, "bench_norm")
     header = (
         f"apex_norm_C loaded: {loaded} (False: 'ours' ran the plain-torch reference)\n"
@@ -191,6 +222,9 @@ def main(argv=None) -> int:
     meta = json.loads((args.out / "bench_norm.json").read_text())
     meta["kernels_loaded"] = loaded
     (args.out / "bench_norm.json").write_text(json.dumps(meta, indent=1))
+    if profile:
+        (args.out / "bench_norm_profile.txt").write_text("\n".join(profile) + "\n")
+        print("\n".join(profile))
     print(text)
     return 0
 
