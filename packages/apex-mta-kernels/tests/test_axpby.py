@@ -326,3 +326,37 @@ def test_axpby_over_2_pow_31_elements(strict_kernels):
     y[n - 1] = float("inf")
     ops.multi_tensor_axpby([x], [y], [out], noop, 0.5, -2.0, 1)
     assert noop.item() == 1
+
+
+# Positions across a thread's vector lanes, its unrolled vectors, chunk boundaries and the tail,
+# for the mixed-width vector path (a 16-bit role moves 8 bytes beside a float32 one's 16).
+LANE_POSITIONS = [0, 1, 3, 4, 7, 8, 2047, 2048, 16383, 16384, 65535, 65536, 131071, 131072 + 4098]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "dx,dy,dout",
+    [
+        (torch.float16, torch.float32, torch.float32),  # amp: model grad + stashed master grad
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.float16, torch.bfloat16),
+    ],
+)
+def test_axpby_mixed_width_flags_and_writes_every_position(device, dx, dy, dout, strict_kernels):
+    n = 2 * 65536 + 4099  # two whole chunks and a tail
+    x0, y = rand(n, dx, device), rand(n, dy, device)
+    out = torch.full((n,), float("nan"), device=device, dtype=dout)
+    noop = flag(device)
+    ops.multi_tensor_axpby([x0], [y], [out], noop, 0.25, 1.0, 0)
+    assert noop.item() == 0
+    torch.testing.assert_close(out, expected(x0, y, 0.25, 1.0, dout), atol=0, rtol=0)
+    for pos in LANE_POSITIONS:
+        x = x0.clone()
+        x[pos] = float("inf") if pos % 2 else float("nan")
+        out = torch.full((n,), 7.0, device=device, dtype=dout)
+        noop = flag(device)
+        ops.multi_tensor_axpby([x], [y], [out], noop, 0.25, 1.0, 0)
+        assert noop.item() == 1, pos
+        torch.testing.assert_close(
+            out, expected(x, y, 0.25, 1.0, dout), atol=0, rtol=0, equal_nan=True
+        )

@@ -290,3 +290,39 @@ def test_scale_on_second_gpu_uses_its_device():
     ops.multi_tensor_scale(xs, outs, flag("cuda:1"), 2.0)
     for x, out in zip(xs, outs):
         torch.testing.assert_close(out, expected(x, 2.0, torch.float32), atol=0, rtol=0)
+
+
+# Positions across a thread's vector lanes, its unrolled vectors, chunk boundaries and the tail,
+# for the mixed-width vector path (a 16-bit role moves 8 bytes beside a float32 one's 16).
+LANE_POSITIONS = [0, 1, 3, 4, 7, 8, 2047, 2048, 16383, 16384, 65535, 65536, 131071, 131072 + 4098]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize(
+    "din,dout",
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("offset", [0, 2], ids=["aligned", "unaligned"])
+def test_scale_mixed_width_flags_and_writes_every_position(
+    device, din, dout, offset, strict_kernels
+):
+    n = 2 * 65536 + 4099  # two whole chunks and a tail
+    base = rand(n + offset, din, device)
+    noop = flag(device)
+    out = torch.full((n,), float("nan"), device=device, dtype=dout)
+    ops.multi_tensor_scale([base[offset:]], [out], noop, 0.5)
+    assert noop.item() == 0
+    torch.testing.assert_close(out, expected(base[offset:], 0.5, dout), atol=0, rtol=0)
+    for pos in LANE_POSITIONS:
+        x = base[offset:].clone() if offset == 0 else base.clone()[offset:]
+        x[pos] = float("inf") if pos % 2 else float("nan")
+        out = torch.full((n,), 7.0, device=device, dtype=dout)
+        noop = flag(device)
+        ops.multi_tensor_scale([x], [out], noop, 0.5)
+        assert noop.item() == 1, pos
+        # written all the same, non-finite element included, as apex's kernel does
+        torch.testing.assert_close(out, expected(x, 0.5, dout), atol=0, rtol=0, equal_nan=True)

@@ -10,10 +10,27 @@ Master weights (O2): at the first backward (or ``_lazy_init_maybe_master_weights
 bf16 param in ``param_groups`` is replaced by an fp32 copy, so the optimizer, its state and its
 ``state_dict`` hold fp32; after ``step`` the masters are copied back into the model with
 ``multi_tensor_scale`` (one launch per device and dtype group).
+
+Master grads (O2): the unscale writes them into one persistent fp32 buffer per device that the
+stash allocates at the first backward, each master's grad a view into it (created once, cached).
+Observable behaviour is apex's: after backward the masters' ``.grad`` hold the unscaled grads,
+after ``step``/``zero_grad`` they are None. What changes is where the next backward's grads live:
+in the same memory, not in ~300 tensors allocated afresh each step (their allocation was about a
+third of amp's per-step time on a 1.3 B model). A view is handed out again only if nothing else
+still references it or its buffer (a master grad kept from an earlier step, or a view of one,
+keeps its values: that master gets a fresh tensor, as in apex). The cost: the buffer stays
+allocated between steps (4 bytes per low-precision param, also during the forward pass, where
+apex had freed the master grads). ``APEX_AMP_PERSISTENT_MASTER_GRADS=0`` (read at
+``amp.initialize``), or ``optimizer._amp_stash.persistent_master_grads = False`` before the first
+backward, restores the per-step allocation.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import os
+import sys
 import types
 
 import torch
@@ -40,6 +57,43 @@ class AmpOptimizerState:
         self.multi_tensor_scale = ops.multi_tensor_scale
         self.multi_tensor_l2norm = ops.multi_tensor_l2norm
         self.dummy_overflow_buf = None
+        # Extension: master grads as views of one persistent buffer per device (module docstring).
+        self.persistent_master_grads = _env_flag("APEX_AMP_PERSISTENT_MASTER_GRADS", True)
+        self._grad_views = None  # per master of all_fp32_from_fp16_params: a view, or None
+        self._grad_buffers = ()  # (buffer, storage use count when nothing else holds it)
+        self._device = None  # the one device of every param in the stash, None if several
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0")
+
+
+def _all_none(items) -> bool:
+    # map in C: ~5x faster than a generator over ~300 grads, on every step
+    return not any(map(operator.is_not, items, itertools.repeat(None)))
+
+
+def _none_missing(items) -> bool:
+    return all(map(operator.is_not, items, itertools.repeat(None)))
+
+
+def _one_device(*lists):
+    """The device every tensor of ``lists`` is on, None if they are on several (or none)."""
+    device = None
+    for tensors in lists:
+        for t in tensors:
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                return None
+    return device
 
 
 def _by_device(*lists):
@@ -52,9 +106,11 @@ def _by_device(*lists):
 
 
 @torch.no_grad()
-def _copy(src: list, dst: list, flags: dict) -> None:
-    """dst[i] = src[i] (dtype-converting), through multi_tensor_scale."""
-    for device, (s, d) in _by_device(src, dst).items():
+def _copy(src: list, dst: list, flags: dict, device=None) -> None:
+    """dst[i] = src[i] (dtype-converting), through multi_tensor_scale. ``device``: the one
+    device of every tensor, when the caller knows it (skips the grouping)."""
+    groups = {device: (src, dst)} if device is not None else _by_device(src, dst)
+    for device, (s, d) in groups.items():
         flag = flags.get(device)
         if flag is None:
             flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -95,6 +151,73 @@ def _rebuild_flat_lists(stash) -> None:
     stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
     stash.all_fp32_from_fp16_grad_stash = [None] * len(stash.all_fp32_from_fp16_params)
     stash.all_fp32_from_fp32_grad_stash = [None] * len(stash.all_fp32_from_fp32_params)
+    stash._device = _one_device(stash.all_fp16_params, stash.all_fp32_from_fp32_params)
+    # New masters (add_param_group): new buffers at the next backward; the old ones are freed
+    # once no master grad still points into them.
+    stash._grad_views = None
+    stash._grad_buffers = ()
+
+
+# Buffer slots start at multiples of 128 float32s (512 bytes, the caching allocator's alignment):
+# the kernels' 16-byte vector path needs 16-byte aligned starts.
+_SLOT_ALIGN = 128
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _view_refs(views: list) -> list:
+    """sys.getrefcount of each view: above the calibrated count, someone else holds it."""
+    return list(map(sys.getrefcount, views))
+
+
+def _make_grad_views(stash) -> list:
+    """One fp32 buffer per device for the contiguous masters, a view of it per master (None for
+    a master in another memory format: its grad is allocated per step, shaped like it)."""
+    masters = stash.all_fp32_from_fp16_params
+    views: list = [None] * len(masters)
+    slots: dict = {}
+    for i, m in enumerate(masters):
+        if m.is_contiguous():
+            slots.setdefault(m.device, []).append(i)
+    buffers = []
+    for device, idx in slots.items():
+        offsets, total = [], 0
+        for i in idx:
+            offsets.append(total)
+            total += -(-masters[i].numel() // _SLOT_ALIGN) * _SLOT_ALIGN
+        buf = torch.empty(total, dtype=torch.float32, device=device)
+        for i, off in zip(idx, offsets):
+            views[i] = buf[off : off + masters[i].numel()].view(masters[i].shape)
+        buffers.append(buf)
+    stash._grad_views = views
+    stash._grad_buffers = tuple((b, _storage_uses(b)) for b in buffers)
+    # What sys.getrefcount reports for a view that only the stash holds.
+    refs = [r for r, v in zip(_view_refs(views), views) if v is not None]
+    stash._grad_view_refs = min(refs, default=0)
+    return views
+
+
+def _fresh_master_grads(stash, indices: list) -> list:
+    """Tensors to unscale the grads of masters ``indices`` into (each master's grad is None):
+    the cached views of the persistent buffer, or ``empty_like`` where a view is still held by
+    someone else (or persistence is off)."""
+    masters = stash.all_fp32_from_fp16_params
+    if not stash.persistent_master_grads or not hasattr(torch._C, "_storage_Use_Count"):
+        return [torch.empty_like(masters[i]) for i in indices]
+    views = stash._grad_views
+    if views is None:
+        views = _make_grad_views(stash)
+    if all(_storage_uses(b) <= uses for b, uses in stash._grad_buffers):
+        base = stash._grad_view_refs
+        refs = _view_refs(views)  # None (a master outside the buffer) counts far above base
+        if len(indices) == len(views) and max(refs, default=0) <= base:
+            return list(views)  # the usual step: every view free
+        out = [views[i] if refs[i] <= base else None for i in indices]
+    else:  # someone holds a tensor made from a view (a slice, a reshape): keep all of them intact
+        out = [None] * len(indices)
+    return [v if v is not None else torch.empty_like(masters[i]) for i, v in zip(indices, out)]
 
 
 def _split_group(optimizer, group: dict):
@@ -141,12 +264,16 @@ def lazy_init_with_master_weights(self) -> None:
 def prepare_backward_with_master_weights(self) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
-    for i, master in enumerate(stash.all_fp32_from_fp16_params):
-        stash.all_fp32_from_fp16_grad_stash[i] = master.grad
-        master.grad = None  # the unscale writes it afresh
-    for i, param in enumerate(stash.all_fp32_from_fp32_params):
-        stash.all_fp32_from_fp32_grad_stash[i] = param.grad
-        param.grad = None  # so backward writes the new grads alone (no accumulation)
+    # Stash the existing grads; None them so backward (and the unscale) write the new ones alone.
+    for params, name in (
+        (stash.all_fp32_from_fp16_params, "all_fp32_from_fp16_grad_stash"),
+        (stash.all_fp32_from_fp32_params, "all_fp32_from_fp32_grad_stash"),
+    ):
+        grads = [p.grad for p in params]
+        setattr(stash, name, grads)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = None
     for param in stash.all_fp16_params:
         param.grad = None
 
@@ -154,51 +281,66 @@ def prepare_backward_with_master_weights(self) -> None:
 def post_backward_with_master_weights(self, scaler) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
+    masters = stash.all_fp32_from_fp16_params
+    model_grads = [p.grad for p in stash.all_fp16_params]
+    stashed = stash.all_fp32_from_fp16_grad_stash
+    master_grads = [m.grad for m in masters]
     plain_src, plain_dst = [], []
     acc_src, acc_stash, acc_dst = [], [], []
-    pairs = zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)
-    for i, (model, master) in enumerate(pairs):
-        stashed = stash.all_fp32_from_fp16_grad_stash[i]
-        if stashed is None:
-            # Unprepared (after delay_unscale): the master grad already holds unscaled grads.
-            stashed = master.grad
-        if model.grad is None:
-            master.grad = stashed
-            continue
-        if stashed is None:
-            master.grad = torch.empty_like(master)
-            plain_src.append(model.grad)
-            plain_dst.append(master.grad)
-        else:
-            master.grad = stashed
-            acc_src.append(model.grad)
-            acc_stash.append(stashed)
-            acc_dst.append(stashed)
+    if _all_none(stashed) and _all_none(master_grads) and _none_missing(model_grads):
+        # The usual step: every low-precision param has a grad, no master has one yet.
+        plain_src = model_grads
+        plain_dst = _fresh_master_grads(stash, range(len(masters)))
+        for master, grad in zip(masters, plain_dst):
+            master.grad = grad
+    else:
+        fresh = []
+        for i, (model_grad, master) in enumerate(zip(model_grads, masters)):
+            old = stashed[i]
+            if old is None:
+                # Unprepared (after delay_unscale): the master grad already holds unscaled grads.
+                old = master_grads[i]
+            if model_grad is None:
+                master.grad = old
+            elif old is None:
+                fresh.append(i)
+                plain_src.append(model_grad)
+            else:
+                master.grad = old
+                acc_src.append(model_grad)
+                acc_stash.append(old)
+                acc_dst.append(old)
+        plain_dst = _fresh_master_grads(stash, fresh)
+        for i, grad in zip(fresh, plain_dst):
+            masters[i].grad = grad
     for i, param in enumerate(stash.all_fp32_from_fp32_params):
-        stashed = stash.all_fp32_from_fp32_grad_stash[i]
+        old = stash.all_fp32_from_fp32_grad_stash[i]
         if param.grad is None:
-            param.grad = stashed
-        elif stashed is None:
+            param.grad = old
+        elif old is None:
             plain_src.append(param.grad)
             plain_dst.append(param.grad)
         else:
             acc_src.append(param.grad)
-            acc_stash.append(stashed)
+            acc_stash.append(old)
             acc_dst.append(param.grad)
+    device = stash._device
     if plain_src:
-        scaler.unscale(plain_src, plain_dst, scaler.loss_scale(), models_are_masters=False)
+        scaler.unscale(
+            plain_src, plain_dst, scaler.loss_scale(), models_are_masters=False, _device=device
+        )
     if acc_src:
-        scaler.unscale_with_stashed(acc_src, acc_stash, acc_dst)
+        scaler.unscale_with_stashed(acc_src, acc_stash, acc_dst, _device=device)
     for param in stash.all_fp16_params:
         param.grad = None
-    stash.all_fp32_from_fp16_grad_stash = [None] * len(stash.all_fp32_from_fp16_params)
+    stash.all_fp32_from_fp16_grad_stash = [None] * len(masters)
     stash.all_fp32_from_fp32_grad_stash = [None] * len(stash.all_fp32_from_fp32_params)
 
 
 def master_params_to_model_params(self) -> None:
     stash = self._amp_stash
     if stash.lazy_init_called and stash.all_fp16_params:
-        _copy(stash.all_fp32_from_fp16_params, stash.all_fp16_params, _flags(stash))
+        _copy(stash.all_fp32_from_fp16_params, stash.all_fp16_params, _flags(stash), stash._device)
 
 
 # ---- without master weights ---------------------------------------------------------------------
@@ -213,6 +355,7 @@ def lazy_init_no_master_weights(self) -> None:
     stash.all_fp32_params = [p for p in params if p.dtype not in LOW_PRECISION]
     stash.all_fp16_grad_stash = [None] * len(stash.all_fp16_params)
     stash.all_fp32_grad_stash = [None] * len(stash.all_fp32_params)
+    stash._device = _one_device(params)
     stash.lazy_init_called = True
 
 
@@ -248,10 +391,11 @@ def post_backward_no_master_weights(self, scaler) -> None:
             else:
                 acc_src.append(param.grad)
                 acc_stash.append(stashed)
+    device = stash._device
     if plain:
-        scaler.unscale(plain, plain, scaler.loss_scale(), models_are_masters=True)
+        scaler.unscale(plain, plain, scaler.loss_scale(), models_are_masters=True, _device=device)
     if acc_src:
-        scaler.unscale_with_stashed(acc_src, acc_stash, acc_src)
+        scaler.unscale_with_stashed(acc_src, acc_stash, acc_src, _device=device)
 
 
 # ---- patching -----------------------------------------------------------------------------------

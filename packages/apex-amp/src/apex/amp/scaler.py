@@ -117,46 +117,59 @@ class LossScaler:
     def _flag(self, t: torch.Tensor) -> torch.Tensor:
         return _flag_for(t, self._scratch_flags, self._overflow_buf)
 
-    def _by_device(self, *lists):
-        """Split parallel lists by the device of the first list's tensors."""
+    def _groups(self, lists, device):
+        """(flag, lists) per device: one group, the main flag, when the caller knows every tensor
+        is on the flag's device (``device``); else split by the first list's devices."""
+        if device is not None and device == self._overflow_buf.device:
+            return [(self._overflow_buf, lists)]
         groups: dict = {}
         for items in zip(*lists):
             groups.setdefault(items[0].device, tuple([] for _ in lists))
             for dst, x in zip(groups[items[0].device], items):
                 dst.append(x)
-        return groups
+        return [(self._flag(g[0][0]), g) for g in groups.values()]
+
+    def _merge(self) -> None:
+        if self._scratch_flags:
+            _merge_flags(self._scratch_flags, self._overflow_buf)
+            self._scratch_flags.clear()
 
     @torch.no_grad()
     def unscale(
-        self, model_grads, master_grads, unused_scale, models_are_masters=False, scale_override=None
+        self,
+        model_grads,
+        master_grads,
+        unused_scale,
+        models_are_masters=False,
+        scale_override=None,
+        *,
+        _device=None,
     ) -> None:
         """master_grads[i] = model_grads[i] / scale (in place when they are the same tensors),
         raising ``_overflow_buf`` if a model grad is inf or nan. One launch per device and dtype
-        group."""
+        group. ``_device`` (amp's own callers): the one device every tensor is on."""
         if self._has_overflow:
             return
         scale = self._loss_scale if scale_override is None else scale_override
         if models_are_masters and scale == 1.0 and not self.dynamic:
             return
-        for _, (src, dst) in self._by_device(list(model_grads), list(master_grads)).items():
-            ops.multi_tensor_scale(src, dst, self._flag(src[0]), 1.0 / scale)
-        _merge_flags(self._scratch_flags, self._overflow_buf)
-        self._scratch_flags.clear()
+        for flag, (src, dst) in self._groups((list(model_grads), list(master_grads)), _device):
+            ops.multi_tensor_scale(src, dst, flag, 1.0 / scale)
+        self._merge()
 
     @torch.no_grad()
     def unscale_with_stashed(
-        self, model_grads, stashed_master_grads, master_grads, scale_override=None
+        self, model_grads, stashed_master_grads, master_grads, scale_override=None, *, _device=None
     ) -> None:
         """master_grads[i] = model_grads[i] / scale + stashed_master_grads[i] (gradient
         accumulation across losses); only the model grads are checked for inf/nan."""
         if self._has_overflow:
             return
         scale = self._loss_scale if scale_override is None else scale_override
-        groups = self._by_device(list(model_grads), list(stashed_master_grads), list(master_grads))
-        for _, (src, stashed, dst) in groups.items():
-            ops.multi_tensor_axpby(src, stashed, dst, self._flag(src[0]), 1.0 / scale, 1.0, 0)
-        _merge_flags(self._scratch_flags, self._overflow_buf)
-        self._scratch_flags.clear()
+        lists = (list(model_grads), list(stashed_master_grads), list(master_grads))
+        for flag, (src, stashed, dst) in self._groups(lists, _device):
+            ops.multi_tensor_axpby(src, stashed, dst, flag, 1.0 / scale, 1.0, 0)
+        self._merge()
 
     # ---- update --------------------------------------------------------------------------------
 

@@ -5,10 +5,26 @@
 
 #include <torch/library.h>
 
+#include <type_traits>
+
 namespace apex_mta {
 namespace {
 
-constexpr int kBytesInFlight = 64;  // per input list and thread: four 16-byte loads
+// Bytes in flight per thread and iteration of the wider input list: four 16-byte loads (with
+// as many 8-byte loads of a 16-bit list beside a float32 one).
+constexpr int kBytesInFlight = 64;
+
+// E elements of T as one machine word: 16 bytes, or 8 for a 16-bit role beside a 32-bit one.
+template <int E, typename T>
+using Word = std::conditional_t<E * sizeof(T) == 16, uint4, uint2>;
+
+template <typename... Ts>
+constexpr int max_size() {
+  constexpr size_t sizes[] = {sizeof(Ts)...};
+  size_t m = 0;
+  for (size_t s : sizes) m = s > m ? s : m;
+  return static_cast<int>(m);
+}
 
 // a*x + b*y rounded after each step, as torch computes it, so the kernel and the reference agree
 // to the bit (--use_fast_math would otherwise contract it into an fma).
@@ -23,45 +39,50 @@ struct AxpbyFunctor {
                                              bool check_y, int* noop) const {
     const Tx* x = static_cast<const Tx*>(m.ptr[0][t]);
     const Ty* y = static_cast<const Ty*>(m.ptr[1][t]);
-    Tout* out = static_cast<Tout*>(m.ptr[2][t]);
-    constexpr int E = vec_elems<Tx, Ty, Tout>();
-    constexpr int Wx = E * sizeof(Tx) / 16, Wy = E * sizeof(Ty) / 16;
-    // 64 bytes of each of x and y in flight per thread; fewer, wider vectors when a list is
-    // float32 beside a 2-byte one.
-    constexpr int U = kBytesInFlight / (E * (sizeof(Tx) > sizeof(Ty) ? sizeof(Tx) : sizeof(Ty)));
+    Tout* out = static_cast<Tout*>(m.ptr[2][t]);  // may be x or y (in place): no __restrict__
+    // E elements per vector: the widest role moves one 16-byte word, a 16-bit role beside a
+    // float32 one 8 bytes, so every warp access of every list is one contiguous run (as adam.cu
+    // and scale.cu). Inputs stay raw words until used: fewer registers than E floats.
+    constexpr int E = 16 / max_size<Tx, Ty, Tout>();
+    using WX = Word<E, Tx>;
+    using WY = Word<E, Ty>;
+    using WOut = Word<E, Tout>;
+    static_assert(sizeof(WX) == E * sizeof(Tx) && sizeof(WY) == E * sizeof(Ty) &&
+                      sizeof(WOut) == E * sizeof(Tout),
+                  "word size");
+    constexpr int U = kBytesInFlight / (sizeof(WX) > sizeof(WY) ? sizeof(WX) : sizeof(WY));
+    constexpr int64_t kStride = int64_t(kThreads) * E;
     bool finite = true;
     int64_t i = start;
     if (aligned16(x) && aligned16(y) && aligned16(out)) {
       const int64_t vec_end = start + (end - start) / E * E;
-      const int64_t stride = int64_t(kThreads) * E;
-      for (int64_t base = start + threadIdx.x * E; base < vec_end; base += stride * U) {
-        // raw 16-byte words until used: fewer registers than E floats per vector
-        uint4 rx[U][Wx], ry[U][Wy];
+      for (int64_t base = start + int64_t(threadIdx.x) * E; base < vec_end; base += kStride * U) {
+        WX rx[U];
+        WY ry[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t j = base + u * stride;
+        for (int u = 0; u < U; ++u) {  // every load of the iteration before any store
+          const int64_t j = base + u * kStride;
           if (j < vec_end) {
-#pragma unroll
-            for (int w = 0; w < Wx; ++w) rx[u][w] = reinterpret_cast<const uint4*>(x + j)[w];
-#pragma unroll
-            for (int w = 0; w < Wy; ++w) ry[u][w] = reinterpret_cast<const uint4*>(y + j)[w];
+            rx[u] = *reinterpret_cast<const WX*>(x + j);
+            ry[u] = *reinterpret_cast<const WY*>(y + j);
           }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int64_t j = base + u * stride;
+          const int64_t j = base + u * kStride;
           if (j < vec_end) {
-            const Tx* ex = reinterpret_cast<const Tx*>(rx[u]);
-            const Ty* ey = reinterpret_cast<const Ty*>(ry[u]);
-            float o[E];
+            const Tx* ex = reinterpret_cast<const Tx*>(&rx[u]);
+            const Ty* ey = reinterpret_cast<const Ty*>(&ry[u]);
+            WOut o;
+            Tout* eo = reinterpret_cast<Tout*>(&o);
 #pragma unroll
             for (int k = 0; k < E; ++k) {
               const float xv = to_float(ex[k]), yv = to_float(ey[k]);
               if (check_x) finite &= isfinite(xv);
               if (check_y) finite &= isfinite(yv);
-              o[k] = axpby(a, xv, b, yv);
+              eo[k] = from_float<Tout>(axpby(a, xv, b, yv));
             }
-            store_vec<E>(out + j, o);
+            *reinterpret_cast<WOut*>(out + j) = o;
           }
         }
       }
@@ -87,7 +108,10 @@ void multi_tensor_axpby_cuda(at::TensorList x_, at::TensorList y_, at::TensorLis
   check_lists(op, lists, noop_flag);
   const bool check_x = arg_to_check != 1, check_y = arg_to_check != 0;
   int* noop = noop_flag.data_ptr<int>();
-  for (const auto& [dtypes, idx] : group_by_dtype(lists)) {
+  for (const auto& group : group_by_dtype(lists)) {
+    // (no structured binding: a lambda capturing one is C++20, nvcc warns #3357-D)
+    const auto& dtypes = group.first;
+    const auto& idx = group.second;
     APEX_DISPATCH_FLOAT(dtypes[0], Tx, [&] {
       APEX_DISPATCH_FLOAT(dtypes[1], Ty, [&] {
         APEX_DISPATCH_FLOAT(dtypes[2], Tout, [&] {
