@@ -244,6 +244,42 @@ def test_cuda_two_x_rule_against_torch(dtype, H):
     assert ours <= 2 * theirs + 1e-6
 
 
+# Rows enough that every row group of the persistent grid walks several rows (the prefetch of
+# the next row, the statistics carried across iterations, the gradient sums over many rows).
+MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,rows", MANY_ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_cuda_many_rows(H, rows, dtype, memory_efficient):
+    x = make((rows, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w, b = param((H,), dtype, "cuda"), param((H,), dtype, "cuda")
+    y = run(x, w, b, (H,), 1e-5, memory_efficient)
+    xd, wd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    expected = torch_layer_norm(xd, (H,), wd, bd, 1e-5)  # float64 on the GPU
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w, b], dy)
+    want = torch.autograd.grad(expected, [xd, wd, bd], dy.double())
+    torch.testing.assert_close(got[0].double(), want[0], **tol(dtype, torch.float16))
+    for g, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g.double(), e, **grad_tol(H, dtype))
+
+
+@pytest.mark.cuda
+def test_cuda_large_mean_small_variance():
+    """Rows of mean 1000 and spread 0.01: the merged (count, mean, M2) keeps the variance where
+    a sum and a sum of squares would cancel to noise in float32 (E[x^2] = 1e6 against a variance
+    of 1e-4). What is left is the float32 mean's own rounding (half an ulp of 1000, 3e-5, over
+    the spread 0.01: a few 1e-3 of y)."""
+    x = torch.randn(4096, 1024, device="cuda") * 0.01 + 1000.0
+    y = fused_layer_norm(x, (1024,), 0.0)
+    expected = torch_layer_norm(x.double(), (1024,), None, None, 0.0)
+    torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.cuda
 def test_cuda_unaligned_and_non_contiguous():
     base = make((33, 4097), torch.bfloat16, "cuda")

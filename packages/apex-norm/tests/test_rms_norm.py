@@ -176,6 +176,29 @@ def test_cuda_matches_reference(H, dtype, affine, memory_efficient):
         torch.testing.assert_close(got[1].double().cpu(), want[1].double(), **grad_tol(H, dtype))
 
 
+# Rows enough that every row group of the persistent grid walks several rows (the prefetch of
+# the next row, the statistics carried across iterations, the gradient sums over many rows).
+MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,rows", MANY_ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_cuda_many_rows(H, rows, dtype, memory_efficient):
+    x = make((rows, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w = param((H,), dtype, "cuda")
+    y = run(x, w, (H,), 1e-5, memory_efficient)
+    xd, wd = (t.detach().double().requires_grad_(True) for t in (x, w))
+    expected = torch_rms_norm(xd, (H,), wd, 1e-5)  # float64 on the GPU
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w], dy)
+    want = torch.autograd.grad(expected, [xd, wd], dy.double())
+    torch.testing.assert_close(got[0].double(), want[0], **tol(dtype, torch.float16))
+    torch.testing.assert_close(got[1].double(), want[1], **grad_tol(H, dtype))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("H", [1024, 4096])

@@ -1,20 +1,28 @@
 // LayerNorm and RMSNorm, forward and backward, for float32, float16 and bfloat16 in any mix.
 //
 // One group of TX threads (a warp or more) owns a row; a block holds TY such groups. The input
-// dtype is a template parameter; weight, bias, output and grad dtypes are read at run time
-// (a uniform branch per access, free next to the memory traffic), which keeps the number of
-// instantiations small while any dtype combination works. Statistics and sums are float32.
+// dtype is a template parameter; weight, bias and output dtypes are read at run time (a uniform
+// branch per access, free next to the memory traffic), which keeps the number of instantiations
+// small while any dtype combination works. Statistics and sums are float32.
 //
-// Fast path ("vec"): H % 8 == 0 and every pointer aligned to 8 elements: each thread keeps its
-// NV vectors of 8 elements of the row in registers, so the row is read from memory once.
+// Fast path ("fast"): H % 8 == 0 and every pointer aligned to 8 elements. Each thread keeps its
+// NV vectors of 8 elements of a row in registers in the input's own dtype (16-bit data stays
+// packed: half the registers of float32), so the row is read from memory once. The grid is
+// persistent (what fits on the GPU at once) and each row group walks the rows r, r + G, ...; the
+// loads of its next row are issued before the current row is reduced and written, so memory
+// always has a row in flight per group. A row's sums take one barrier (two alternating
+// shared-memory slots), and LayerNorm's mean and variance come from one reduction: each thread's
+// (count, mean, M2), merged pairwise in a fixed order (Chan et al.), exact where sum and sum of
+// squares would cancel. The backward's fast kernel wants grad_output in the input's dtype (the
+// usual case); other mixes take "vec", the same layout without the packing and the prefetch.
 // Otherwise ("generic"): scalar loops that read the row again for each pass (any H, any
 // alignment). Indices are 64-bit throughout.
 //
 // Weight and bias gradients: a column reduction in two stages. Stage 1 writes float32 partial
-// sums, one row of H per row group: the vec backward accumulates them in registers while it
-// computes grad_input (grid-stride over rows, so each group sums many rows); the generic path
-// runs a separate kernel over row ranges. Stage 2 sums the partials per column, in a fixed order
-// (the result is the same on every run).
+// sums, one row of H per row group: the vectorised backward kernels accumulate them in registers
+// while they compute grad_input (each group sums many rows); the generic path runs a separate
+// kernel over row ranges. Stage 2 sums the partials per column, in a fixed order (the result is
+// the same on every run).
 #include "checks.h"
 
 #include <ATen/ATen.h>
@@ -25,9 +33,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace apex_norm {
 namespace {
@@ -134,61 +146,175 @@ struct FwdArgs {
   int wt, yt;
 };
 
-template <typename Tx, int NV, bool RMS>
-__global__ void __launch_bounds__(kMaxTX) fwd_vec(FwdArgs a) {
-  __shared__ float2 smem[32 * 32];
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool live = row < a.rows;
+// -- the fast path's pieces -------------------------------------------------------------------
+
+constexpr int kMaxWarps = kMaxTX / 32;  // warps per row group, at most
+constexpr int kMaxTY = 8;               // row groups per block, at most (blocks of 256 threads)
+
+template <typename T>
+__device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) {
+  o = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p) + i);
+}
+
+template <typename T>
+__device__ __forceinline__ float elem(const Pack<T>& pk, int e) {
+  return static_cast<float>(pk.v[e]);
+}
+
+// Sums over the row group, one barrier per call: the partials of call k go to slot k % 2, and the
+// barrier of call k + 1 stands between the reads of call k and the writes of call k + 2. Every
+// thread of the block must make the same calls (rows past the end pass zeros).
+struct GroupSum {
+  float2* slots;  // [2][kMaxTY][kMaxWarps]
+  int parity;
+
+  __device__ __forceinline__ float2 operator()(float a, float b) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (blockDim.x == 32) return make_float2(a, b);
+    float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
+    parity ^= 1;
+    if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float2(a, b);
+    __syncthreads();
+    float2 t = s[0];
+    for (int w = 1; w < int(blockDim.x >> 5); ++w) {
+      t.x += s[w].x;
+      t.y += s[w].y;
+    }
+    return t;
+  }
+};
+
+// (count, mean, M2) of two disjoint sets merged; `lo` is the one of lower rank, so every thread
+// merges in the same order and gets the same bits.
+struct Moments {
+  float n, mean, m2;
+};
+
+__device__ __forceinline__ Moments merge(Moments lo, Moments hi) {
+  const float n = lo.n + hi.n;
+  if (n == 0.f) return lo;
+  const float f = hi.n / n;
+  const float d = hi.mean - lo.mean;
+  return {n, fmaf(d, f, lo.mean), lo.m2 + hi.m2 + d * d * lo.n * f};
+}
+
+__device__ __forceinline__ Moments group_moments(Moments m, float4* slots, int& parity) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const Moments other{__shfl_xor_sync(0xffffffffu, m.n, o),
+                        __shfl_xor_sync(0xffffffffu, m.mean, o),
+                        __shfl_xor_sync(0xffffffffu, m.m2, o)};
+    m = (threadIdx.x & o) ? merge(other, m) : merge(m, other);
+  }
+  if (blockDim.x == 32) return m;
+  float4* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
+  parity ^= 1;
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float4(m.n, m.mean, m.m2, 0.f);
+  __syncthreads();
+  Moments t{s[0].x, s[0].y, s[0].z};
+  for (int w = 1; w < int(blockDim.x >> 5); ++w) t = merge(t, Moments{s[w].x, s[w].y, s[w].z});
+  return t;
+}
+
+// PF: prefetch the next row (off where two rows of registers would not fit: float32 at NV >= 4).
+template <typename Tx, int NV, bool RMS, bool PF>
+__global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
+  __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
+  int parity = 0;
+  GroupSum gsum{reinterpret_cast<float2*>(slots), 0};
   const int64_t nvec = a.H / kVec;
-  const int64_t base = row * a.H;
-  float v[NV][kVec];
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-    if (live && j < nvec) {
-      load_vec<Tx>(a.x, base + j * kVec, v[k]);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) s += v[k][e];
-    }
-  }
   const float inv_h = 1.f / static_cast<float>(a.H);
-  float mu = 0.f;
-  if (!RMS) mu = row_sum(s, smem) * inv_h;
-  float q = 0.f;
+  const int64_t G = int64_t(gridDim.x) * blockDim.y;
+  const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
+  int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  Pack<Tx> cur[NV];
+  if (PF) {
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-    if (live && j < nvec) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const float d = v[k][e] - mu;
-        q += d * d;
-      }
+    for (int k = 0; k < NV; ++k) {
+      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+      if (row < a.rows && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
     }
   }
-  const float r = rsqrtf(row_sum(q, smem) * inv_h + a.eps);
-  if (!live) return;  // no barrier follows
-  if (threadIdx.x == 0) {
-    if (!RMS) a.mean[row] = mu;
-    a.rstd[row] = r;
-  }
+  for (int64_t it = 0; it < iters; ++it) {
+    const bool live = row < a.rows;
+    const int64_t next = row + G;
+    Pack<Tx> nxt[PF ? NV : 1];
 #pragma unroll
-  for (int k = 0; k < NV; ++k) {
-    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-    if (j < nvec) {
-      float w[kVec], b[kVec], o[kVec];
-      if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-      if (!RMS && a.b) load_vec_dt(a.b, a.wt, j * kVec, b);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        float y = (v[k][e] - mu) * r;
-        if (a.w) y *= w[e];
-        if (!RMS && a.b) y += b[e];
-        o[e] = y;
-      }
-      store_vec_dt(a.y, a.yt, base + j * kVec, o);
+    for (int k = 0; k < NV; ++k) {  // PF: in flight while this row is reduced and written
+      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+      if (PF && next < a.rows && j < nvec) load_pack(a.x, next * a.H + j * kVec, nxt[PF ? k : 0]);
+      if (!PF && live && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
     }
+    float mu = 0.f, r;
+    if (RMS) {
+      float q = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) q = fmaf(elem(cur[k], e), elem(cur[k], e), q);
+        }
+      }
+      r = rsqrtf(gsum(q, 0.f).x * inv_h + a.eps);
+    } else {
+      // This thread's own moments, two passes over its registers, then one merge over the group.
+      float s = 0.f, n = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+          n += float(kVec);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) s += elem(cur[k], e);
+        }
+      }
+      const float m = n > 0.f ? s / n : 0.f;
+      float m2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float d = elem(cur[k], e) - m;
+            m2 = fmaf(d, d, m2);
+          }
+        }
+      }
+      const Moments t = group_moments(Moments{n, m, m2}, slots, parity);
+      mu = t.mean;
+      r = rsqrtf(t.m2 * inv_h + a.eps);
+    }
+    if (live) {
+      if (threadIdx.x == 0) {
+        if (!RMS) a.mean[row] = mu;
+        a.rstd[row] = r;
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          float w[kVec], b[kVec], o[kVec];
+          if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
+          if (!RMS && a.b) load_vec_dt(a.b, a.wt, j * kVec, b);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            float y = (elem(cur[k], e) - mu) * r;
+            if (a.w) y *= w[e];
+            if (!RMS && a.b) y += b[e];
+            o[e] = y;
+          }
+          store_vec_dt(a.y, a.yt, row * a.H + j * kVec, o);
+        }
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) cur[k] = nxt[PF ? k : 0];
+    }
+    row = next;
   }
 }
 
@@ -254,6 +380,179 @@ __device__ __forceinline__ float xhat_of(const BwdArgs& a, float v, float mu, fl
     return v;
   }
   return (v - mu) * r;
+}
+
+// x-hat as xhat_of, with memory_efficient (ME) known at compile time: the fast kernel's registers.
+template <bool RMS, bool ME>
+__device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, float r, float w,
+                                        float b) {
+  if (ME) {
+    if (!RMS && a.b) v -= b;
+    if (a.w) v /= clamp_mag(w, a.eps);
+    return v;
+  }
+  return (v - mu) * r;
+}
+
+// The fast backward: grad_output in the input's dtype, both kept packed; with PF the next row's
+// input, grad_output and statistics are loaded while this row is reduced and written. The weight
+// and bias gradient sums live in shared memory (dynamic: NV * 8 floats per thread for each, laid
+// out so a warp's accesses are consecutive words), which leaves the registers to the rows in
+// flight: kept in registers they would take 16-32 per thread and cap the rows in flight.
+template <typename Tx, int NV, bool RMS, bool PF, bool ME>
+__global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
+  __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
+  extern __shared__ float acc[];  // [RMS ? 1 : 2][NV * kVec][threads], when part_w is set
+  GroupSum gsum{slots, 0};
+  const int64_t nvec = a.H / kVec;
+  const float inv_h = 1.f / static_cast<float>(a.H);
+  const bool has_b = !RMS && ME && a.b;
+  const bool need_mu = !RMS && !ME;
+  const bool sums = a.part_w != nullptr;
+  const int nthreads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  float* acc_w = acc + tid;                          // element (k, e) at [(k * kVec + e) * nthreads]
+  float* acc_b = acc + NV * kVec * nthreads + tid;  // LayerNorm only
+  if (sums) {
+#pragma unroll
+    for (int i = 0; i < NV * kVec; ++i) {
+      acc_w[i * nthreads] = 0.f;
+      if (!RMS && a.part_b) acc_b[i * nthreads] = 0.f;
+    }
+  }
+  const int64_t G = int64_t(gridDim.x) * blockDim.y;
+  const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
+  int64_t row = group;
+  Pack<Tx> xc[NV], gc[NV];
+  float rc = 0.f, muc = 0.f;
+  if (PF && row < a.rows) {
+    rc = a.rstd[row];
+    if (need_mu) muc = a.mean[row];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+      if (j < nvec) {
+        load_pack(a.xy, row * a.H + j * kVec, xc[k]);
+        load_pack(a.dy, row * a.H + j * kVec, gc[k]);
+      }
+    }
+  }
+  for (int64_t it = 0; it < iters; ++it) {
+    const bool live = row < a.rows;
+    const int64_t next = row + G;
+    constexpr int NN = PF ? NV : 1;
+    Pack<Tx> xn[NN], gn[NN];
+    float rn = 0.f, mun = 0.f;
+    if (PF && next < a.rows) {  // in flight while this row is reduced and written
+      rn = a.rstd[next];
+      if (need_mu) mun = a.mean[next];
+#pragma unroll
+      for (int k = 0; k < NN; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          load_pack(a.xy, next * a.H + j * kVec, xn[k]);
+          load_pack(a.dy, next * a.H + j * kVec, gn[k]);
+        }
+      }
+    }
+    if (!PF && live) {
+      rc = a.rstd[row];
+      if (need_mu) muc = a.mean[row];
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          load_pack(a.xy, row * a.H + j * kVec, xc[k]);
+          load_pack(a.dy, row * a.H + j * kVec, gc[k]);
+        }
+      }
+    }
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+      if (live && j < nvec) {
+        float w[kVec], b[kVec];
+        if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
+        if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+                                        has_b ? b[e] : 0.f);
+          const float dy = elem(gc[k], e);
+          const float g = a.w ? dy * w[e] : dy;
+          sg += g;
+          sgx = fmaf(g, xv, sgx);
+          if (sums) {
+            float* pw = acc_w + (k * kVec + e) * nthreads;
+            *pw = fmaf(dy, xv, *pw);
+            if (!RMS && a.part_b) acc_b[(k * kVec + e) * nthreads] += dy;
+          }
+        }
+      }
+    }
+    const float2 t = gsum(sg, sgx);
+    const float mg = RMS ? 0.f : t.x * inv_h;
+    const float mgx = t.y * inv_h;
+    if (live) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          float w[kVec], b[kVec], o[kVec];
+          if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
+          if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+                                          has_b ? b[e] : 0.f);
+            const float dy = elem(gc[k], e);
+            const float g = a.w ? dy * w[e] : dy;
+            o[e] = rc * (g - mg - xv * mgx);
+          }
+          store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
+        }
+      }
+    }
+    if (PF) {
+#pragma unroll
+      for (int k = 0; k < NN; ++k) {
+        xc[k] = xn[k];
+        gc[k] = gn[k];
+      }
+      rc = rn;
+      muc = mun;
+    }
+    row = next;
+  }
+  if (!sums) return;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+    if (j < nvec) {
+      float w[kVec], b[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        w[e] = acc_w[(k * kVec + e) * nthreads];
+        if (!RMS && a.part_b) b[e] = acc_b[(k * kVec + e) * nthreads];
+      }
+      float4* pw = reinterpret_cast<float4*>(a.part_w + group * a.H + j * kVec);
+      pw[0] = make_float4(w[0], w[1], w[2], w[3]);
+      pw[1] = make_float4(w[4], w[5], w[6], w[7]);
+      if (!RMS && a.part_b) {
+        float4* pb = reinterpret_cast<float4*>(a.part_b + group * a.H + j * kVec);
+        pb[0] = make_float4(b[0], b[1], b[2], b[3]);
+        pb[1] = make_float4(b[4], b[5], b[6], b[7]);
+      }
+    }
+  }
+}
+
+// Dynamic shared memory of bwd_fast: the weight (and bias) gradient sums of every thread.
+size_t bwd_fast_smem(int nv, int threads, bool want_w, bool want_b) {
+  const int arrays = (want_w || want_b ? 1 : 0) + (want_b ? 1 : 0);
+  return size_t(arrays) * nv * kVec * threads * sizeof(float);
 }
 
 template <typename Tx, int NV, bool RMS>
@@ -443,8 +742,8 @@ struct Config {
 };
 
 // Threads per row: enough that each holds about `per_thread` vectors (a warp at least, kMaxTX at
-// most); rows per block: up to 256 threads a block. The backward keeps four arrays of NV vectors
-// per thread, so it asks for 2 (at NV=4 ptxas spills under the 128-register cap of 512 threads).
+// most); rows per block: up to 256 threads a block. The backward keeps more arrays per thread, so
+// it asks for fewer vectors each.
 Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
   if (aligned && H % kVec == 0 && H > 0) {
     const int64_t nvec = H / kVec;
@@ -457,6 +756,68 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
   int tx = 32;
   while (tx < kMaxTX && int64_t(tx) * 4 < H) tx *= 2;
   return {tx, std::max(1, 256 / tx), 0};
+}
+
+// The launch shape's knobs. Defaults are the values measured best on an H200; APEX_NORM_TUNE
+// ("fwd_pt=4,bwd_pt=2,fwd_waves=1,bwd_waves=1", read once) overrides them for tuning sweeps:
+// *_pt vectors per thread, *_waves the persistent grid in multiples of what fits at once.
+struct Tune {
+  int fwd_pt = 4, bwd_pt = 2, fwd_waves = 1, bwd_waves = 1;
+};
+
+const Tune& tune() {
+  static const Tune t = [] {
+    Tune v;
+    const char* env = std::getenv("APEX_NORM_TUNE");
+    if (env == nullptr) return v;
+    const std::string str(env);
+    size_t pos = 0;
+    while (pos < str.size()) {
+      size_t end = str.find(',', pos);
+      if (end == std::string::npos) end = str.size();
+      const std::string item = str.substr(pos, end - pos);
+      const size_t eq = item.find('=');
+      if (eq != std::string::npos) {
+        const std::string key = item.substr(0, eq);
+        const int val = std::max(1, std::atoi(item.c_str() + eq + 1));
+        if (key == "fwd_pt") v.fwd_pt = val;
+        if (key == "bwd_pt") v.bwd_pt = val;
+        if (key == "fwd_waves") v.fwd_waves = val;
+        if (key == "bwd_waves") v.bwd_waves = val;
+      }
+      pos = end + 1;
+    }
+    return v;
+  }();
+  return t;
+}
+
+// Blocks of `threads` of `kernel` that fit on the device at once (the occupancy calculator,
+// asked once per kernel and block size).
+// Dynamic shared memory above 48 KB needs the kernel's opt-in first (done once per kernel, for
+// the most any launch can ask: 227 KB on sm_90, 163 KB on sm_80).
+int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device) {
+  static std::mutex mu;
+  static std::vector<std::tuple<const void*, int, size_t, int>> seen;  // ..., blocks per SM
+  static std::vector<const void*> opted;
+  int per_sm = 0;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (smem > 48 * 1024 && std::find(opted.begin(), opted.end(), kernel) == opted.end()) {
+    int max_optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        max_optin - int(sizeof(float4)) * 2 * kMaxTY * kMaxWarps));
+    opted.push_back(kernel);
+  }
+  for (const auto& [k, t, m, n] : seen) {
+    if (k == kernel && t == threads && m == smem) per_sm = n;
+  }
+  if (per_sm == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    per_sm = std::max(per_sm, 1);
+    seen.emplace_back(kernel, threads, smem, per_sm);
+  }
+  return int64_t(per_sm) * sm_count(device);
 }
 
 template <typename F>
@@ -527,18 +888,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             static_cast<float>(eps), wt, yt};
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 8, 4);
+  const Config c = pick(H, aligned, 8, tune().fwd_pt);
   const dim3 block(c.tx, c.ty);
-  const dim3 grid(static_cast<unsigned>((rows + c.ty - 1) / c.ty));
+  const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
+    auto fast = [&](auto kernel) {
+      // A persistent grid: each row group walks its rows with the next one in flight.
+      const int64_t fit = resident_blocks(reinterpret_cast<const void*>(kernel), c.tx * c.ty, 0,
+                                          input.get_device()) * tune().fwd_waves;
+      const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(row_blocks, fit)));
+      kernel<<<blocks, block, 0, stream>>>(a);
+    };
     switch (c.nv) {
-      case 1: fwd_vec<Tx, 1, RMS><<<grid, block, 0, stream>>>(a); break;
-      case 2: fwd_vec<Tx, 2, RMS><<<grid, block, 0, stream>>>(a); break;
-      case 4: fwd_vec<Tx, 4, RMS><<<grid, block, 0, stream>>>(a); break;
-      case 8: fwd_vec<Tx, 8, RMS><<<grid, block, 0, stream>>>(a); break;
-      default: fwd_generic<Tx, RMS><<<grid, block, 0, stream>>>(a); break;
+      // Prefetch where two rows fit in the registers: 16 bytes of a row per thread at most.
+      case 1: fast(fwd_fast<Tx, 1, RMS, true>); break;
+      case 2: fast(fwd_fast<Tx, 2, RMS, true>); break;
+      case 4: fast(fwd_fast<Tx, 4, RMS, sizeof(Tx) == 2>); break;
+      case 8: fast(fwd_fast<Tx, 8, RMS, false>); break;
+      default:
+        fwd_generic<Tx, RMS><<<static_cast<unsigned>(row_blocks), block, 0, stream>>>(a);
+        break;
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -597,25 +968,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             nullptr, nullptr, rows, H, static_cast<float>(eps), dyt, wt, dxt, memory_efficient};
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 4, 2);
+  const Config c = pick(H, aligned, 4, tune().bwd_pt);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
-  const int sms = sm_count(xy.get_device());
+  const int device = xy.get_device();
+  const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
   at::Tensor part_w, part_b;
   int64_t groups = 0;
   dispatch_x(xy.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
     if (c.nv > 0) {
-      auto launch = [&](auto kernel) {
-        // A persistent grid: at most what fits on the GPU at once (by threads; registers may
-        // allow fewer, which only adds waves). With weight gradients each row group also sums at
-        // least ~32 rows, so the float32 partials (written and read again: 16 bytes per column
-        // per group for weight and bias) stay about 5 % of the traffic of 16-bit tensors.
+      const size_t smem = bwd_fast_smem(c.nv, c.tx * c.ty, want_w, want_b && !RMS);
+      auto launch = [&](auto kernel, bool fast) {
+        // A persistent grid: at most what fits on the GPU at once. With weight gradients each
+        // row group also sums at least ~32 rows, so the float32 partials (written and read
+        // again: 16 bytes per column per group for weight and bias) stay about 5 % of the
+        // traffic of 16-bit tensors.
         const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
-        const int64_t resident = int64_t(sms) * std::max(1, 2048 / (c.tx * c.ty));
-        int64_t blocks = std::min(row_blocks, resident);
+        const int64_t fit = fast ? resident_blocks(reinterpret_cast<const void*>(kernel),
+                                                   c.tx * c.ty, smem, device) * tune().bwd_waves
+                                 : int64_t(sm_count(device)) * std::max(1, 2048 / (c.tx * c.ty));
+        int64_t blocks = std::min(row_blocks, fit);
         if (want_w || want_b) {
-          blocks = std::min(blocks, std::max<int64_t>(sms, rows / (32 * int64_t(c.ty))));
+          blocks = std::min(blocks, std::max<int64_t>(sm_count(device), rows / (32 * int64_t(c.ty))));
         }
         blocks = std::max<int64_t>(blocks, 1);
         groups = blocks * c.ty;
@@ -627,12 +1002,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             a.part_b = part_b.data_ptr<float>();
           }
         }
-        kernel<<<dim3(static_cast<unsigned>(blocks)), block, 0, stream>>>(a);
+        kernel<<<dim3(static_cast<unsigned>(blocks)), block, fast ? smem : 0, stream>>>(a);
+      };
+      // Prefetch where two rows of input and grad_output fit: 16 bytes of each per thread.
+      auto pick_me = [&](auto k_me, auto k_plain, auto k_vec) {
+        if (!packed) return launch(k_vec, false);
+        return memory_efficient ? launch(k_me, true) : launch(k_plain, true);
       };
       switch (c.nv) {
-        case 1: launch(bwd_vec<Tx, 1, RMS>); break;
-        case 2: launch(bwd_vec<Tx, 2, RMS>); break;
-        default: launch(bwd_vec<Tx, 4, RMS>); break;
+        case 1:
+          pick_me(bwd_fast<Tx, 1, RMS, true, true>, bwd_fast<Tx, 1, RMS, true, false>, bwd_vec<Tx, 1, RMS>);
+          break;
+        case 2:
+          pick_me(bwd_fast<Tx, 2, RMS, true, true>, bwd_fast<Tx, 2, RMS, true, false>, bwd_vec<Tx, 2, RMS>);
+          break;
+        default:
+          pick_me(bwd_fast<Tx, 4, RMS, sizeof(Tx) == 2, true>, bwd_fast<Tx, 4, RMS, sizeof(Tx) == 2, false>,
+                  bwd_vec<Tx, 4, RMS>);
+          break;
       }
     } else {
       const dim3 grid(static_cast<unsigned>((rows + c.ty - 1) / c.ty));
@@ -641,7 +1028,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         // Enough row ranges to fill the GPU; each has at least 32 rows.
         const int64_t col_blocks = (H + 255) / 256;
         const int64_t splits = std::max<int64_t>(
-            1, std::min<int64_t>((rows + 31) / 32, (int64_t(sms) * 8 + col_blocks - 1) / col_blocks));
+            1, std::min<int64_t>((rows + 31) / 32, (int64_t(sm_count(device)) * 8 + col_blocks - 1) / col_blocks));
         const int64_t per = (rows + splits - 1) / splits;
         groups = (rows + per - 1) / per;
         part_w = at::empty({groups, H}, f32);

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Tuning sweep of the apex-norm kernels' launch knobs (APEX_NORM_TUNE, read once per process) on
+# a GPU machine, from source: one bench_norm process per setting, ours only, and a table of
+# device time (CUDA-graph replays) and % of copy per case.
+#   OUT=dir bash scripts/norm_sweep.sh ["fwd_pt=4,bwd_pt=2" "fwd_pt=2,bwd_pt=1" ...]
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu-out}/sweep
+mkdir -p "$OUT"
+export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+SETTINGS=("$@")
+[ ${#SETTINGS[@]} -eq 0 ] && SETTINGS=("fwd_pt=4,bwd_pt=2" "fwd_pt=2,bwd_pt=1" "fwd_pt=8,bwd_pt=4" "fwd_waves=64,bwd_waves=64")
+i=0
+for t in "${SETTINGS[@]}"; do
+  i=$((i + 1))
+  APEX_NORM_TUNE=$t timeout 120 python3 "$ROOT/packages/apex-norm/benchmarks/bench_norm.py" \
+    --out "$OUT/$i" --impls ours --hidden "${SWEEP_H:-1024,4096,16384}" --dtypes "${SWEEP_DT:-bf16}" \
+    > "$OUT/$i.log" 2>&1 || echo "setting $t failed: see $OUT/$i.log"
+  python3 - "$OUT/$i/bench_norm.json" "$t" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    print(f"{sys.argv[2]:28s} {r['case']:36s} {r['ms']:.4f} ms {r['pct_copy']:6.1f} %")
+PY
+done
