@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks"))
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
+)
 from bench_utils import gpt_like_shapes  # noqa: E402
 
 from apex.optimizers import FusedLAMB  # noqa: E402
@@ -37,4 +39,6 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(5):
         opt.step()
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+print(
+    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+)

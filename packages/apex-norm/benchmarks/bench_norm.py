@@ -209,7 +209,9 @@ def main(argv=None) -> int:
     for norm in args.norms.split(","):
         for dt in args.dtypes.split(","):
             for H in (int(h) for h in args.hidden.split(",")):
-                bench_case(norm, H, dt, args.rows, ceiling.tbps, rows, args.impls.split(","), profile)
+                bench_case(
+                    norm, H, dt, args.rows, ceiling.tbps, rows, args.impls.split(","), profile
+                )
     table = write(rows, ceiling, args.out, "bench_norm")
     header = (
         f"apex_norm_C loaded: {loaded} (False: 'ours' ran the plain-torch reference)\n"
