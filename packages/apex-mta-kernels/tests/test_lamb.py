@@ -1283,3 +1283,185 @@ def test_lamb_over_2_pow_31_elements(strict_kernels):
     want_p = [(p0.float() - ratio * g[sl].float()) for p0, sl in zip(p_ends, ends)]
     assert_lists_close([p[sl] for sl in ends], want_p)
     assert not math.isnan(float(p[-1]))
+
+
+# ---- the cached plan (ops.lamb_plan): global norm + both stages from lists it holds ------------------
+
+PLAN_CASES = {
+    "fp32": dict(dtype=F32, master=False),
+    "fp16": dict(dtype=F16, master=False),
+    "bf16-masters": dict(dtype=BF16, master=True),
+}
+PLAN_SIZES = [7, 65537, 1, 4099, 0, 97]
+PLAN_HYPER = [  # (adam_w_mode, weight_decay, use_nvlamb, max_grad_norm)
+    (1, 0.05, False, 2.0),
+    (0, 0.05, False, 1e3),
+    (1, 0.0, True, 2.0),
+    (1, 0.0, False, 2.0),
+]
+
+
+def plan_bucket(sizes, device, dtype=F32, master=False):
+    """A FusedLAMB-like bucket: params (with grads), work (the params or fp32 masters), moments
+    of work's dtype, copies (the params when there are masters)."""
+    ps = [torch.randn(n, device=device).to(dtype) for n in sizes]
+    work = [p.float() for p in ps] if master else ps
+    m = [0.1 * torch.randn_like(w) for w in work]
+    v = [0.01 * torch.rand_like(w) for w in work]
+    return ps, work, m, v, (ps if master else [])
+
+
+def clone_bucket(bucket):
+    ps, work, m, v, copies = bucket
+    ps2 = [p.clone() for p in ps]
+    work2 = [w.clone() for w in work] if copies else ps2
+    return ps2, work2, [t.clone() for t in m], [t.clone() for t in v], (ps2 if copies else [])
+
+
+def give_grads(ps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+
+
+def plan_args(step, mode, wd, nvlamb, max_norm, gnorm=None):
+    """plan.step's arguments after noop_flag (multi_tensor_lamb's, in the same order)."""
+    return (LR, *BETAS, EPS, step, True, wd, True, mode, gnorm, max_norm, nvlamb)
+
+
+def list_step(buckets, device, step, mode, wd, nvlamb, max_norm, noop):
+    """The list path FusedLAMB took before its plans: one norm over every grad, then each bucket."""
+    grads = [[p.grad for p in b[0]] for b in buckets]
+    gn = ops.multi_tensor_l2norm([g for gs in grads for g in gs], noop, False)[0]
+    for (_, work, m, v, copies), gs in zip(buckets, grads):
+        ops.multi_tensor_lamb(
+            gs, work, m, v, noop, *plan_args(step, mode, wd, nvlamb, max_norm, gn)
+        )
+        if copies:
+            ops.multi_tensor_scale(work, copies, noop, 1.0)
+    return gn
+
+
+def assert_buckets_equal(a, b, grads=True):
+    """Lists bitwise equal; with ``grads``, the first list's grads (now the updates) too."""
+    for k, (x, y) in enumerate(zip(a, b)):
+        for i, (s, t) in enumerate(zip(x, y)):
+            assert torch.equal(s, t), f"list {k}, tensor {i} differs"
+            if k == 0 and grads:
+                assert torch.equal(s.grad, t.grad), f"grad (update) {i} differs"
+
+
+def test_lamb_plan_is_the_reference_plan_on_the_cpu():
+    ps, work, m, v, _ = plan_bucket([3, 5], "cpu")
+    plan = ops.lamb_plan(ps, work, m, v)
+    assert isinstance(plan, reference.LambPlan) and len(plan) == 2
+    assert ops.lamb_plan([], [], [], []) is None
+
+
+@pytest.mark.cuda
+def test_lamb_plan_is_the_compiled_plan_on_the_gpu(strict_kernels):
+    ps, work, m, v, _ = plan_bucket([3, 5], "cuda")
+    plan = ops.lamb_plan(ps, work, m, v)
+    assert isinstance(plan, torch.ScriptObject) and len(plan) == 2
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+@pytest.mark.parametrize("hyper", PLAN_HYPER, ids=str)
+def test_lamb_plan_matches_the_list_ops_bitwise_and_the_oracle(device, case, hyper, strict_kernels):
+    """One bucket: the plan takes the global norm of its own grads, then both stages (and the
+    master copy): the same bits as l2norm + multi_tensor_lamb (+ scale) on lists, over steps,
+    and the float64 oracle on the first."""
+    mode, wd, nvlamb, max_norm = hyper
+    mine = plan_bucket(PLAN_SIZES, device, **PLAN_CASES[case])
+    theirs = clone_bucket(mine)
+    plan = ops.lamb_plan(*mine)
+    noop_a, noop_b = flag(device), flag(device)
+    for step in range(1, 4):
+        give_grads(mine[0], step)
+        give_grads(theirs[0], step)
+        before = [[t.clone() for t in lst] for lst in ([p.grad for p in mine[0]], *mine[1:4])]
+        assert plan.step(noop_a, *plan_args(step, mode, wd, nvlamb, max_norm))
+        gn = list_step([theirs], device, step, mode, wd, nvlamb, max_norm, noop_b)
+        assert_buckets_equal(mine[:4], theirs[:4])
+        assert torch.equal(noop_a, noop_b)
+        if step == 1:
+            want = oracle_lamb(*before, step=1, wd=wd, mode=mode, gnorm=float(gn), max_norm=max_norm,
+                               nvlamb=nvlamb)  # fmt: skip
+            check_step([[p.grad for p in mine[0]], mine[1], mine[2], mine[3]], before, want)
+    if mine[4]:
+        for p, w in zip(mine[0], mine[1]):
+            assert torch.equal(p, w.to(p.dtype))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_lamb_plan_of_several_buckets_takes_the_norm_of_every_grad(device, strict_kernels):
+    """Two buckets (two dtypes): a plan of every param takes the global norm, each bucket's plan
+    steps with it; the same bits as the list path."""
+    mine = [plan_bucket([97, 65537, 5], device), plan_bucket([13, 7], device, BF16, master=True)]
+    theirs = [clone_bucket(b) for b in mine]
+    plans = [ops.lamb_plan(*b) for b in mine]
+    norm = ops.lamb_plan([p for b in mine for p in b[0]], [], [], [])
+    noop_a, noop_b = flag(device), flag(device)
+    for step in range(1, 4):
+        for k, b in enumerate(mine + theirs):
+            give_grads(b[0], 10 * step + k % 2)
+        gn_list = ops.multi_tensor_l2norm([p.grad for b in theirs for p in b[0]], noop_b, False)[0]
+        gn = norm.grad_norm(noop_a)
+        assert torch.equal(gn, gn_list)
+        for plan in plans:
+            assert plan.step(noop_a, *plan_args(step, 1, 0.05, False, 2.0, gn))
+        list_step(theirs, device, step, 1, 0.05, False, 2.0, noop_b)
+        for a, b in zip(mine, theirs):
+            assert_buckets_equal(a[:4], b[:4])
+    with pytest.raises(ValueError, match="holds params only"):
+        norm.step(noop_a, *plan_args(4, 1, 0.05, False, 2.0, gn))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_lamb_plan_missing_grad_runs_nothing_and_keeps_no_grad(device, strict_kernels):
+    import gc
+    import weakref
+
+    bucket = plan_bucket([5, 7, 9], device)
+    before = clone_bucket(bucket)
+    plan = ops.lamb_plan(*bucket)
+    give_grads(bucket[0], 0)
+    bucket[0][1].grad = None
+    assert not plan.fetch()
+    assert not plan.step(flag(device), *plan_args(1, 1, 0.05, False, 2.0))
+    assert plan.grad_norm(flag(device)) is None
+    assert_buckets_equal(bucket[1:4], before[1:4], grads=False)
+    give_grads(bucket[0], 1)
+    assert plan.fetch()  # held until the step ends, then released
+    assert plan.step(flag(device), *plan_args(1, 1, 0.05, False, 2.0))
+    refs = [weakref.ref(p.grad) for p in bucket[0]]
+    for p in bucket[0]:
+        p.grad = None
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_lamb_plan_bad_input_raises_before_anything_runs(device, strict_kernels):
+    bucket = plan_bucket([13, 5], device)
+    plan = ops.lamb_plan(*bucket)
+    give_grads(bucket[0], 0)
+    assert plan.step(flag(device), *plan_args(1, 1, 0.05, False, 2.0))  # validated once
+    give_grads(bucket[0], 1)
+    bucket[0][0].grad = torch.randn(13, 2, device=device)[:, 0]
+    before = clone_bucket(bucket)
+    noop = flag(device)
+    with pytest.raises(ValueError, match=r"multi_tensor_lamb: grads\[0\] is not contiguous"):
+        plan.step(noop, *plan_args(2, 1, 0.05, False, 2.0))
+    assert_buckets_equal(bucket[1:4], before[1:4], grads=False)
+    give_grads(bucket[0], 2)
+    with pytest.raises(ValueError, match=r"multi_tensor_lamb: beta1 must be in \[0, 1\), got 1"):
+        plan.step(noop, LR, 1.0, 0.999, EPS, 2, True, 0.05, True, 1, None, 2.0, False)
+    with pytest.raises(ValueError, match="step must be >= 1 when bias_correction is set, got 0"):
+        plan.step(noop, *plan_args(0, 1, 0.05, False, 2.0))
+    with pytest.raises(ValueError, match="global_grad_norm must have exactly one element"):
+        plan.step(noop, *plan_args(2, 1, 0.05, False, 2.0, torch.ones(2, device=device)))
+    assert_buckets_equal(bucket[1:4], before[1:4], grads=False)
+    with pytest.raises(ValueError, match="LambPlan: params has 2 tensors but work, exp_avgs and"):
+        ops.lamb_plan(bucket[0], bucket[1], bucket[2][:1], bucket[3])

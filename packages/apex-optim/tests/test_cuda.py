@@ -1,6 +1,6 @@
 """Every optimizer on the GPU: against itself on the CPU (the reference path), against torch.optim
-on the GPU where torch has the same algorithm, and the cached C++ plans of FusedAdam and FusedSGD
-(ops.adam_plan, ops.sgd_plan) in the situations that must make them step the general path or
+on the GPU where torch has the same algorithm, and the cached C++ plans of FusedAdam, FusedSGD and
+FusedLAMB (ops.adam_plan, ops.sgd_plan, ops.lamb_plan) in the situations that must make them step the general path or
 rebuild."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 from optim_testing import LOW, TOLERANCES
 
+from apex.multi_tensor_apply import ops
 from apex.optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -115,7 +116,7 @@ def test_master_weights_follow_fp32_trajectory(dtype, capturable):
         assert torch.equal(p, m.to(dtype))
 
 
-# ---- the C++ plans of FusedAdam and FusedSGD ------------------------------------------------------
+# ---- the C++ plans of FusedAdam, FusedSGD and FusedLAMB ---------------------------------------------
 
 PLANNED = {
     "adam": (FusedAdam, {}),
@@ -128,14 +129,27 @@ PLANNED = {
         {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01, "wd_after_momentum": True},
     ),
     "sgd-master": (FusedSGD, {"momentum": 0.9, "master_weights": True}),
+    "lamb": (FusedLAMB, {}),
+    "lamb-l2-nvlamb": (FusedLAMB, {"adam_w_mode": False, "use_nvlamb": True}),
+    "lamb-master": (FusedLAMB, {"master_weights": True}),
 }
+
+
+# FusedLAMB's plans need apex-mta-kernels >= 0.1.2 (ops.lamb_plan).
+needs_lamb_plan = pytest.mark.skipif(
+    not hasattr(ops, "lamb_plan"), reason="apex-mta-kernels < 0.1.2: no ops.lamb_plan"
+)
+
+
+def plan_names(*names):
+    return [pytest.param(n, marks=needs_lamb_plan) if n.startswith("lamb") else n for n in names]
 
 
 def natives(opt):
     return [b.native for plan in opt._plans.values() for b in plan.buckets]
 
 
-@pytest.mark.parametrize("name", sorted(PLANNED))
+@pytest.mark.parametrize("name", plan_names(*sorted(PLANNED)))
 def test_native_plan_is_used_and_matches_the_ops_path(name, monkeypatch):
     cls, kw = PLANNED[name]
     dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
@@ -151,7 +165,7 @@ def test_native_plan_is_used_and_matches_the_ops_path(name, monkeypatch):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
 def test_native_plan_survives_missing_grads(name, monkeypatch):
     """A param without a grad in some steps (the general path that step, a rebuilt plan after):
     the same bits as without the plan."""
@@ -168,7 +182,7 @@ def test_native_plan_survives_missing_grads(name, monkeypatch):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
 def test_native_plan_keeps_no_grad_alive(name):
     cls, kw = PLANNED[name]
     ps = make_params("cuda")
@@ -180,7 +194,7 @@ def test_native_plan_keeps_no_grad_alive(name):
     assert all(r() is None for r in refs)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
 def test_native_plan_bad_grad_raises_the_ops_message(name):
     cls, kw = PLANNED[name]
     ps = make_params("cuda")
@@ -192,6 +206,30 @@ def test_native_plan_bad_grad_raises_the_ops_message(name):
         opt.step()
     for p, b in zip(ps, before):
         assert torch.equal(p, b)  # nothing was launched
+
+
+@needs_lamb_plan
+@pytest.mark.parametrize("master", [False, True])
+def test_lamb_plans_of_two_groups_match_the_ops_path(master, monkeypatch):
+    """Two groups (two buckets): a plan of every param takes the global grad norm, each
+    bucket's plan steps with it; the same bits as the list path."""
+    dtype = torch.bfloat16 if master else torch.float32
+
+    def make(ps):
+        return FusedLAMB([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "lr": 3e-3}],
+                         lr=1e-3, master_weights=master)  # fmt: skip
+
+    a, b = make_params("cuda", dtype), make_params("cuda", dtype)
+    opt_a = make(a)
+    run(opt_a, a, 20, skip=lambda step, j: j == 4)  # a frozen param
+    assert len(natives(opt_a)) == 2 and all(
+        isinstance(n, torch.ScriptObject) for n in natives(opt_a)
+    )
+    assert isinstance(opt_a._norm_cache[1], torch.ScriptObject)
+    monkeypatch.setattr(FusedLAMB, "_native_plan", lambda self, group, bucket: None)
+    run(make(b), b, 20, skip=lambda step, j: j == 4)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 def test_native_plan_in_a_cuda_graph():

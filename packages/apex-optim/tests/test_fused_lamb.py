@@ -20,6 +20,7 @@ from optim_testing import (
 )
 
 import amp_C
+from apex.multi_tensor_apply import ops
 from apex.optimizers import FusedLAMB, FusedMixedPrecisionLamb
 
 STEPS = 50
@@ -285,3 +286,127 @@ def test_params_on_two_devices_are_refused(cls):
         ValueError, match=r"param group 1: a parameter is on meta but the optimizer"
     ):
         cls([{"params": ps}, {"params": [on_meta]}])
+
+
+# ---- FusedLAMB's cached plans (ops.lamb_plan; on the CPU, its reference) ---------------------------
+
+# FusedLAMB takes the list path every step with apex-mta-kernels < 0.1.2, which has no lamb_plan.
+needs_lamb_plan = pytest.mark.skipif(
+    not hasattr(ops, "lamb_plan"), reason="apex-mta-kernels < 0.1.2: no ops.lamb_plan"
+)
+
+PLAN_RUNS = {
+    "one group": dict(groups=1),
+    "one group, frozen param": dict(groups=1, skip={2}),
+    "two groups": dict(groups=2),
+    "two groups, l2, nvlamb": dict(groups=2, adam_w_mode=False, use_nvlamb=True),
+    "bf16 masters": dict(groups=1, dtype=torch.bfloat16, master_weights=True),
+    "fp32 and bf16 masters": dict(groups=1, mixed=True, master_weights=True),
+    "no clip, no bias correction": dict(groups=2, max_grad_norm=100.0, bias_correction=False),
+}
+
+
+def plan_run(name, monkeypatch=None, steps=12):
+    """A FusedLAMB run of PLAN_RUNS[name]: with its plans, or (monkeypatch given) without them."""
+    kw = dict(PLAN_RUNS[name])
+    groups, skip = kw.pop("groups"), kw.pop("skip", ())
+    dtype, mixed = kw.pop("dtype", torch.float32), kw.pop("mixed", False)
+    ps = params(dtype)
+    if mixed:
+        ps[1::2] = [torch.nn.Parameter(p.detach().bfloat16()) for p in ps[1::2]]
+    if monkeypatch is not None:
+        monkeypatch.setattr(FusedLAMB, "_native_plan", lambda self, group, bucket: None)
+    if groups == 2:
+        opt = FusedLAMB([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0, "lr": 3e-3}],
+                        lr=1e-2, **kw)  # fmt: skip
+    else:
+        opt = FusedLAMB(ps, lr=1e-2, **kw)
+    run_synthetic(opt, ps, steps=steps, skip=skip)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return opt, ps
+
+
+@needs_lamb_plan
+@pytest.mark.parametrize("name", sorted(PLAN_RUNS))
+def test_plan_path_is_bit_identical_to_the_list_path(name, monkeypatch):
+    opt, ps = plan_run(name)
+    natives = [b.native for plan in opt._plans.values() for b in plan.buckets]
+    assert natives and all(n is not None for n in natives)
+    ref, ref_ps = plan_run(name, monkeypatch)
+    assert all(b.native is None for plan in ref._plans.values() for b in plan.buckets)
+    for a, b in zip(ps, ref_ps):
+        assert torch.equal(a, b)
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)  # the update
+    for a, b in zip(ps, ref_ps):
+        for key, value in opt.state[a].items():
+            assert torch.equal(value, ref.state[b][key]), key
+
+
+@needs_lamb_plan
+def test_plan_path_runs_after_the_first_step(monkeypatch):
+    """The list path only on the step that builds the plans, and on a step where a param lost
+    its grad (the plans are rebuilt then); the plans every other step."""
+    calls = []
+    lists = FusedLAMB._step_lists
+    monkeypatch.setattr(
+        FusedLAMB, "_step_lists", lambda self, *a: calls.append(1) or lists(self, *a)
+    )
+    ps = params()
+    opt = FusedLAMB([{"params": ps[:3]}, {"params": ps[3:]}], lr=1e-2)
+    run_synthetic(opt, ps, steps=5)
+    assert len(calls) == 1
+    ps[1].grad = None
+    opt.step()
+    assert len(calls) == 2
+    run_synthetic(opt, ps, steps=3)
+    assert len(calls) == 3  # the grad came back: one more rebuild
+    assert int(opt.param_groups[0]["step"]) == 9
+
+
+@needs_lamb_plan
+def test_plan_path_keeps_no_grad_alive():
+    import gc
+    import weakref
+
+    ps = params()
+    opt = FusedLAMB([{"params": ps[:3]}, {"params": ps[3:]}], lr=1e-2)
+    run_synthetic(opt, ps, steps=3)
+    refs = [weakref.ref(p.grad) for p in ps]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@needs_lamb_plan
+def test_plan_path_survives_deepcopy_and_state_dict(monkeypatch):
+    ps = params()
+    opt = FusedLAMB([{"params": ps[:3]}, {"params": ps[3:]}], lr=1e-2)
+    run_synthetic(opt, ps, steps=3)
+    assert opt._norm_cache is not None
+    twin = deepcopy(opt)
+    assert twin._norm_cache is None and not twin._plans
+    opt.load_state_dict(opt.state_dict())
+    assert opt._norm_cache is None
+    run_synthetic(opt, ps, steps=2)
+    ref_ps = params()
+    ref = FusedLAMB([{"params": ref_ps[:3]}, {"params": ref_ps[3:]}], lr=1e-2)
+    monkeypatch.setattr(FusedLAMB, "_native_plan", lambda self, group, bucket: None)
+    run_synthetic(ref, ref_ps, steps=3)
+    run_synthetic(ref, ref_ps, steps=2)
+    for a, b in zip(ps, ref_ps):
+        assert torch.equal(a, b)
+
+
+@needs_lamb_plan
+def test_plan_path_bad_grad_raises_before_anything_runs():
+    ps = params()
+    opt = FusedLAMB(ps, lr=1e-2)
+    run_synthetic(opt, ps, steps=2)
+    before = [p.detach().clone() for p in ps]
+    ps[0].grad = torch.randn(7, 13, 2)[..., 0]
+    with pytest.raises(ValueError, match=r"multi_tensor_lamb: grads\[0\] is not contiguous"):
+        opt.step()
+    for p, b in zip(ps, before):
+        assert torch.equal(p, b)
+    assert all(b.native._grads is None for plan in opt._plans.values() for b in plan.buckets)

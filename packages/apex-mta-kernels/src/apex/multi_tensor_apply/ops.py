@@ -683,3 +683,27 @@ def sgd_plan(params, work, momenta=(), copies=()):
     if not OPS.ensure_loaded():
         return None
     return torch.classes.apex_mta.SgdPlan(list(params), list(work), list(momenta), list(copies))
+
+
+def lamb_plan(params, work, exp_avgs, exp_avg_sqs, copies=()):
+    """A cached plan of one LAMB bucket: ``torch.classes.apex_mta.LambPlan`` where the compiled
+    kernels run, ``reference.LambPlan`` (same methods, same results) elsewhere, such as CPU
+    tensors; None while torch.compile traces (the list ops then run, and have fakes).
+
+    ``plan.step(noop_flag, lr, beta1, beta2, eps, step, bias_correction, weight_decay,
+    grad_averaging, adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb)`` is
+    multi_tensor_lamb on [grads, work, exp_avgs, exp_avg_sqs], the grads fetched from ``params``
+    in C++; with ``global_grad_norm=None`` the plan first takes multi_tensor_l2norm's total over
+    its own grads (right when the bucket holds every grad of the optimizer: global norm, stage 1
+    and stage 2 in one call); a non-empty ``copies`` then receives ``work`` rounded to its dtype
+    (multi_tensor_scale: the model params of fp32 masters). Every check runs before the first
+    launch. ``plan.grad_norm(noop_flag)`` is that total alone, or None when a grad is missing; a
+    plan of params only (``work``, ``exp_avgs``, ``exp_avg_sqs`` empty) takes the global norm of
+    several buckets that way. ``fetch``, ``release`` and the False return are adam_plan's.
+    """
+    if not params or torch.compiler.is_compiling():
+        return None
+    args = (list(params), list(work), list(exp_avgs), list(exp_avg_sqs), list(copies))
+    if params[0].is_cuda and OPS.ensure_loaded():
+        return torch.classes.apex_mta.LambPlan(*args)
+    return reference.LambPlan(*args)

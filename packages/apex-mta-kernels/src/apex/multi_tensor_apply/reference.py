@@ -938,3 +938,88 @@ def multi_tensor_lamb_mp(
     skip = (noop_flag.reshape(-1)[0] != 0) | (found_inf.reshape(()) != 0)
     lr32 = lr.reshape(()).float()
     _lamb_fused(lists, noop_flag, s, lr32, weight_decay, adam_w_mode == 0, use_nvlamb, skip)
+
+
+class LambPlan:
+    """The reference of ``torch.classes.apex_mta.LambPlan`` (see ``ops.lamb_plan``): a LAMB
+    bucket's lists, held across steps, each step fetching the grads from the params. The same
+    methods, checks and results as the C++ plan: ``step`` is multi_tensor_l2norm (when no global
+    norm is given) + multi_tensor_lamb (+ multi_tensor_scale into ``copies``) on the held lists."""
+
+    def __init__(self, params: Tensors, work: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+                 copies: Tensors = ()):  # fmt: skip
+        n = len(params)
+        self._params, self._work = list(params), list(work)
+        self._m, self._v, self._copies = list(exp_avgs), list(exp_avg_sqs), list(copies)
+        self._norm_only = not (self._work or self._m or self._v or self._copies)
+        if not self._norm_only and not len(self._work) == len(self._m) == len(self._v) == n:
+            raise ValueError(
+                f"LambPlan: params has {n} tensors but work, exp_avgs and exp_avg_sqs have "
+                f"{len(self._work)}, {len(self._m)} and {len(self._v)} (all {n}, or all 0 for a "
+                "plan of the grad norm only)"
+            )
+        if self._copies and len(self._copies) != n:
+            raise ValueError(f"LambPlan: copies has {len(self._copies)} tensors; expected 0 or {n}")
+        self._grads: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def fetch(self) -> bool:
+        """Every param's grad, held until the step ends; False (nothing held) when one is
+        missing or not strided."""
+        grads = []
+        for p in self._params:
+            g = p.grad
+            if g is None or g.layout != torch.strided:
+                self._grads = None
+                return False
+            grads.append(g)
+        self._grads = grads
+        return True
+
+    def release(self) -> None:
+        self._grads = None
+
+    def _fetched(self) -> bool:
+        return self._grads is not None or self.fetch()
+
+    def grad_norm(self, noop_flag: torch.Tensor) -> torch.Tensor | None:
+        """multi_tensor_l2norm's total over the grads, or None when a param has no grad."""
+        try:
+            if not self._fetched():
+                return None
+            return multi_tensor_l2norm(self._grads, noop_flag, False)[0]
+        finally:
+            self.release()
+
+    def step(self, noop_flag: torch.Tensor, lr: float, beta1: float, beta2: float, eps: float,
+             step: int, bias_correction: bool, weight_decay: float, grad_averaging: bool,
+             adam_w_mode: int, global_grad_norm: torch.Tensor | None, max_grad_norm: float,
+             use_nvlamb: bool) -> bool:  # fmt: skip
+        """multi_tensor_lamb on [grads, work, exp_avgs, exp_avg_sqs], the global norm taken from
+        the grads first when not given; False (nothing run) when a param has no grad."""
+        op = "multi_tensor_lamb"
+        try:
+            if self._norm_only:
+                raise ValueError(
+                    "LambPlan: this plan holds params only (a plan of the grad norm); it cannot step"
+                )
+            _check_adam_args(op, beta1, beta2, adam_w_mode)
+            if bias_correction and step < 1:
+                raise ValueError(f"{op}: step must be >= 1 when bias_correction is set, got {step}")
+            if not self._fetched():
+                return False
+            g = self._grads
+            lists = {"grads": g, "params": self._work, "exp_avgs": self._m, "exp_avg_sqs": self._v}
+            check_lists(op, lists, noop_flag)  # every check before anything runs, as the plan
+            if global_grad_norm is None:
+                global_grad_norm = multi_tensor_l2norm(g, noop_flag, False)[0]
+            multi_tensor_lamb(g, self._work, self._m, self._v, noop_flag, lr, beta1, beta2, eps,
+                              step, bias_correction, weight_decay, grad_averaging, adam_w_mode,
+                              global_grad_norm, max_grad_norm, use_nvlamb)  # fmt: skip
+            if self._copies:
+                multi_tensor_scale(self._work, self._copies, noop_flag, 1.0)
+            return True
+        finally:
+            self.release()

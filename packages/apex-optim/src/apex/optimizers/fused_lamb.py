@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -31,6 +32,11 @@ class FusedLAMB(FusedOptimizer):
     ``foreach=``/``fused=`` accepted and ignored. The kernel cannot skip a step on the device, so
     under a torch.amp.GradScaler the scaler unscales and skips as for any optimizer
     (FusedMixedPrecisionLamb takes part in GradScaler's fused protocol).
+
+    Each bucket's lists are held by a plan (ops.lamb_plan, in C++ on the GPU) from the second
+    step on: a step then fetches the grads in C++, with no Python per tensor and no list
+    conversion, and gives the same bits as the list path it falls back to whenever a param
+    gains or loses a grad.
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
@@ -76,6 +82,7 @@ class FusedLAMB(FusedOptimizer):
             foreach=foreach,
             fused=fused,
         )
+        self._norm_cache = None  # (the groups' plans, the plan of their global grad norm)
         self.multi_tensor_l2norm = amp_C.multi_tensor_l2norm
         self.multi_tensor_lamb = amp_C.multi_tensor_lamb
 
@@ -89,46 +96,146 @@ class FusedLAMB(FusedOptimizer):
     def _single_device_reason(self) -> str:
         return " (its global grad norm)"
 
+    # ---- step ----------------------------------------------------------------------------------
+
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB step over every group; ``closure`` re-evaluates the model, returns the loss."""
         loss = self._closure(closure)
         self._begin_step()
         work = []
+        native = True  # every group's buckets fetched their grads in C++ (grads is None)
         for index, group in enumerate(self.param_groups):
             plan, grads = self._plan(index, group)
             if plan is not None:
                 work.append((group, plan, grads))
+                native = native and grads is None
         if work:
-            device = work[0][1].device
-            flag = self._device_flags(device).scratch
-            all_grads = [g for _, _, grads in work for g in grads]
-            global_grad_norm = ops.multi_tensor_l2norm(all_grads, flag, False)[0]
-            max_grad_norm = self.defaults["max_grad_norm"]
-            for group, plan, grads in work:
-                group["step"] = group.get("step", 0) + 1
-                beta1, beta2 = group["betas"]
-                for b in plan.buckets:
-                    ops.multi_tensor_lamb(
-                        grads[b.start : b.stop],
-                        b.work,
-                        b.state["exp_avg"],
-                        b.state["exp_avg_sq"],
-                        flag,
-                        group["lr"],
-                        beta1,
-                        beta2,
-                        group["eps"],
-                        group["step"],
-                        bool(group["bias_correction"]),
-                        group["weight_decay"],
-                        bool(group["grad_averaging"]),
-                        self.adam_w_mode,
-                        global_grad_norm,
-                        max_grad_norm,
-                        bool(self.use_nvlamb),
-                    )
-                    if b.masters is not None:
-                        self._copy_masters(b)
+            flag = self._device_flags(work[0][1].device).scratch
+            if not (native and self._step_native(work, flag)):
+                self._step_lists(work, flag)
         self._end_step()
         return loss
+
+    def _step_native(self, work, flag) -> bool:
+        """The step through each bucket's cached plan (ops.lamb_plan): no Python per tensor, no
+        list conversion. A single bucket takes the global grad norm of its own grads in the same
+        call; several take it from a plan of every live param, in the list path's order. The
+        same kernels on the same lists as _step_lists: the same bits. False (nothing run, every
+        grad released): tensor lr or step, which the plan does not take."""
+        if any(isinstance(g["lr"], torch.Tensor) or isinstance(g.get("step"), torch.Tensor)
+               for g, _, _ in work):  # fmt: skip
+            self._release(work)
+            return False
+        max_grad_norm = self.defaults["max_grad_norm"]
+        nvlamb = bool(self.use_nvlamb)
+        try:
+            gnorm = None
+            if len(work) > 1 or len(work[0][1].buckets) > 1:
+                gnorm = self._norm_plan(work).grad_norm(flag)
+                if gnorm is None:  # a grad vanished between the fetches: cannot happen
+                    raise RuntimeError(f"{self._name}: a grad was lost during the step")
+            for group, plan, _ in work:
+                step = group["step"] = group.get("step", 0) + 1
+                beta1, beta2 = group["betas"]
+                args = (
+                    group["lr"], beta1, beta2, group["eps"], step, bool(group["bias_correction"]),
+                    group["weight_decay"], bool(group["grad_averaging"]), self.adam_w_mode, gnorm,
+                    max_grad_norm, nvlamb,
+                )  # fmt: skip
+                for b in plan.buckets:
+                    if not b.native.step(flag, *args):  # fetched above: cannot happen
+                        raise RuntimeError(f"{self._name}: a grad was lost during the step")
+        except BaseException:
+            self._release(work)  # no plan keeps a grad past the step
+            raise
+        return True
+
+    @staticmethod
+    def _release(work) -> None:
+        for _, plan, _ in work:
+            for b in plan.buckets:
+                if b.native is not None:
+                    b.native.release()
+
+    def _norm_plan(self, work):
+        """A plan of every live param of ``work`` for the global grad norm, rebuilt whenever a
+        group's plan is."""
+        plans = tuple(plan for _, plan, _ in work)
+        cached = self._norm_cache
+        if (
+            cached is None
+            or len(cached[0]) != len(plans)
+            or not all(map(operator.is_, cached[0], plans))
+        ):
+            params = [p for plan in plans for p in plan.live]
+            cached = self._norm_cache = (plans, ops.lamb_plan(params, (), (), ()))
+        return cached[1]
+
+    def _step_lists(self, work, flag) -> None:
+        """The step on Python lists of grads (the first step after a plan is built, a param
+        that lost its grad, no plan at all)."""
+        all_grads = []
+        for i, (group, plan, grads) in enumerate(work):
+            if grads is None:  # fetched by the plans, which this path does not use
+                for b in plan.buckets:
+                    b.native.release()
+                grads = [p.grad for p in plan.live]
+                work[i] = (group, plan, grads)
+            all_grads.extend(grads)
+        global_grad_norm = ops.multi_tensor_l2norm(all_grads, flag, False)[0]
+        max_grad_norm = self.defaults["max_grad_norm"]
+        for group, plan, grads in work:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            for b in plan.buckets:
+                ops.multi_tensor_lamb(
+                    grads[b.start : b.stop],
+                    b.work,
+                    b.state["exp_avg"],
+                    b.state["exp_avg_sq"],
+                    flag,
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["step"],
+                    bool(group["bias_correction"]),
+                    group["weight_decay"],
+                    bool(group["grad_averaging"]),
+                    self.adam_w_mode,
+                    global_grad_norm,
+                    max_grad_norm,
+                    bool(self.use_nvlamb),
+                )
+                if b.masters is not None:
+                    self._copy_masters(b)
+
+    def _native_plan(self, group: dict[str, Any], bucket):
+        lamb_plan = getattr(ops, "lamb_plan", None)  # apex-mta-kernels >= 0.1.2
+        if lamb_plan is None:
+            return None
+        copies = bucket.params if bucket.masters is not None else ()
+        return lamb_plan(
+            bucket.params, bucket.work, bucket.state["exp_avg"], bucket.state["exp_avg_sq"], copies
+        )
+
+    # ---- plans ---------------------------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        if not self._plans:
+            self._norm_cache = None  # it holds the old plans, and through them the old state
+
+    def _invalidate(self) -> None:
+        super()._invalidate()
+        self._norm_cache = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_norm_cache", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._norm_cache = None

@@ -62,12 +62,16 @@ class GradPlan : public torch::CustomClassHolder {
     ~Release() { plan->release(); }
   };
 
+  // This step's grads are in grads_ (fetched now if the caller has not): false when one is
+  // missing.
+  bool ensure_fetched() { return fetched_ || fetch(); }
+
   // Fetches the grads if the caller has not, and runs the op's full checks on `lists` when the
   // plan has not validated this form (`form`: any nonzero code the subclass gives each list
   // layout it launches) against this noop flag. False: a grad is missing, launch nothing.
   bool prepare(const char* op, const at::Tensor& noop_flag, int form,
                const std::vector<ListArg>& lists) {
-    if (!fetched_ && !fetch()) return false;
+    if (!ensure_fetched()) return false;
     if (validated_ != form || noop_flag.device() != device_ || noop_flag.scalar_type() != at::kInt ||
         noop_flag.numel() < 1) {
       check_lists(op, lists, noop_flag);

@@ -30,11 +30,16 @@
 // itself must not change while stage-1 blocks still read it), and stage 2 then sets the flag
 // and skips, as apex's stage 2 skips after its mp norm kernel set the flag.
 #include "checks.h"
+#include "grad_plan.h"
 #include "multi_tensor_apply.cuh"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Optional.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 
 namespace apex_mta {
@@ -724,20 +729,21 @@ void set_norms(Stage1Args& a, Stage2Args& b, NormSpace& w, int64_t n) {
   b.u_norms = a.u_norms;
 }
 
-void multi_tensor_lamb_cuda(at::TensorList grads_, at::TensorList params_, at::TensorList exp_avgs_,
-                            at::TensorList exp_avg_sqs_, const at::Tensor& noop_flag, double lr, double beta1,
-                            double beta2, double eps, int64_t step, bool bias_correction, double weight_decay,
-                            bool grad_averaging, int64_t adam_w_mode, const at::Tensor& global_grad_norm,
-                            double max_grad_norm, bool use_nvlamb) {
-  const char* op = "multi_tensor_lamb";
-  const auto g = grads_.vec(), p = params_.vec(), m = exp_avgs_.vec(), v = exp_avg_sqs_.vec();
-  const std::vector<ListArg> lists{{"grads", &g}, {"params", &p}, {"exp_avgs", &m}, {"exp_avg_sqs", &v}};
-  check_lists(op, lists, noop_flag);
+// multi_tensor_lamb's checks of everything but the lists and the norm.
+void check_lamb_args(const char* op, double beta1, double beta2, int64_t step, bool bias_correction,
+                     int64_t adam_w_mode) {
   check_mode(op, adam_w_mode);
   check_betas(op, beta1, beta2);
   APEX_CHECK_VALUE(!bias_correction || step >= 1, op, ": step must be >= 1 when bias_correction is set, got ",
                    step);
-  check_scalar(op, "global_grad_norm", global_grad_norm, noop_flag, false);
+}
+
+// multi_tensor_lamb once its arguments are checked: [g, p, m, v] in `lists`.
+void run_lamb(const std::vector<ListArg>& lists, const at::Tensor& noop_flag, double lr, double beta1,
+              double beta2, double eps, int64_t step, bool bias_correction, double weight_decay,
+              bool grad_averaging, int64_t adam_w_mode, const at::Tensor& global_grad_norm,
+              double max_grad_norm, bool use_nvlamb) {
+  const std::vector<at::Tensor>& g = *lists[0].list;
   if (all_empty(g)) return;
   const c10::cuda::CUDAGuard guard(noop_flag.device());
   const bool trust = use_nvlamb || weight_decay != 0.0;
@@ -759,7 +765,22 @@ void multi_tensor_lamb_cuda(at::TensorList grads_, at::TensorList params_, at::T
   set_norms(a, b, w, static_cast<int64_t>(g.size()));
 
   stage1<4>(lists, a);
-  stage2<2>({{"grads", &g}, {"params", &p}}, b);
+  stage2<2>({{"grads", lists[0].list}, {"params", lists[1].list}}, b);
+}
+
+void multi_tensor_lamb_cuda(at::TensorList grads_, at::TensorList params_, at::TensorList exp_avgs_,
+                            at::TensorList exp_avg_sqs_, const at::Tensor& noop_flag, double lr, double beta1,
+                            double beta2, double eps, int64_t step, bool bias_correction, double weight_decay,
+                            bool grad_averaging, int64_t adam_w_mode, const at::Tensor& global_grad_norm,
+                            double max_grad_norm, bool use_nvlamb) {
+  const char* op = "multi_tensor_lamb";
+  const auto g = grads_.vec(), p = params_.vec(), m = exp_avgs_.vec(), v = exp_avg_sqs_.vec();
+  const std::vector<ListArg> lists{{"grads", &g}, {"params", &p}, {"exp_avgs", &m}, {"exp_avg_sqs", &v}};
+  check_lists(op, lists, noop_flag);
+  check_lamb_args(op, beta1, beta2, step, bias_correction, adam_w_mode);
+  check_scalar(op, "global_grad_norm", global_grad_norm, noop_flag, false);
+  run_lamb(lists, noop_flag, lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging,
+           adam_w_mode, global_grad_norm, max_grad_norm, use_nvlamb);
 }
 
 void multi_tensor_lamb_mp_cuda(at::TensorList grads_, at::TensorList params_, at::TensorList exp_avgs_,
@@ -824,8 +845,89 @@ void multi_tensor_lamb_mp_cuda(at::TensorList grads_, at::TensorList params_, at
   }
 }
 
+// Ops of other files of this library, called through the dispatcher (no Python, no list
+// conversion): the global grad norm is multi_tensor_l2norm's, bit for bit, and the master copy
+// multi_tensor_scale's.
+at::Tensor l2norm_total(const std::vector<at::Tensor>& tensors, const at::Tensor& noop_flag) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("apex_mta::multi_tensor_l2norm", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&, bool)>();
+  return std::get<0>(op.call(tensors, noop_flag, false));
+}
+
+void copy_to(const std::vector<at::Tensor>& from, const std::vector<at::Tensor>& to, const at::Tensor& noop_flag) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("apex_mta::multi_tensor_scale", "")
+                             .typed<void(at::TensorList, at::TensorList, const at::Tensor&, double)>();
+  op.call(from, to, noop_flag, 1.0);
+}
+
 }  // namespace
+
+// ---- the cached plan ----------------------------------------------------------------------------
+//
+// A FusedLAMB bucket's lists on the C++ side (GradPlan says how a step is checked and run):
+// step() is the list path's multi_tensor_l2norm (when no global norm is given: the bucket holds
+// every grad of the optimizer) + multi_tensor_lamb (+ multi_tensor_scale of the masters into the
+// params), on the same kernels, so the same bits. A plan made of params alone (work, exp_avgs and
+// exp_avg_sqs empty) only takes the global grad norm of several buckets (grad_norm()).
+class LambPlan : public GradPlan {
+ public:
+  LambPlan(std::vector<at::Tensor> params, std::vector<at::Tensor> work, std::vector<at::Tensor> exp_avgs,
+           std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> copies)
+      : GradPlan(std::move(params)), work_(std::move(work)), m_(std::move(exp_avgs)),
+        v_(std::move(exp_avg_sqs)), copies_(std::move(copies)) {
+    const size_t n = params_.size();
+    norm_only_ = work_.empty() && m_.empty() && v_.empty() && copies_.empty();
+    APEX_CHECK_VALUE(norm_only_ || (work_.size() == n && m_.size() == n && v_.size() == n), "LambPlan: params has ",
+                     n, " tensors but work, exp_avgs and exp_avg_sqs have ", work_.size(), ", ", m_.size(),
+                     " and ", v_.size(), " (all ", n, ", or all 0 for a plan of the grad norm only)");
+    APEX_CHECK_VALUE(copies_.empty() || copies_.size() == n, "LambPlan: copies has ", copies_.size(),
+                     " tensors; expected 0 or ", n);
+  }
+
+  // ||every grad|| (multi_tensor_l2norm's total), or None when a param has no grad.
+  c10::optional<at::Tensor> grad_norm(at::Tensor noop_flag) {
+    const Release release{this};
+    if (!ensure_fetched()) return c10::nullopt;
+    return l2norm_total(grads_, noop_flag);
+  }
+
+  // multi_tensor_lamb on [grads, work, exp_avgs, exp_avg_sqs]; with no global_grad_norm, that
+  // of this plan's grads, taken first. False (nothing launched): a param has no grad.
+  bool step(at::Tensor noop_flag, double lr, double beta1, double beta2, double eps, int64_t step,
+            bool bias_correction, double weight_decay, bool grad_averaging, int64_t adam_w_mode,
+            c10::optional<at::Tensor> global_grad_norm, double max_grad_norm, bool use_nvlamb) {
+    const char* op = "multi_tensor_lamb";
+    const Release release{this};
+    APEX_CHECK_VALUE(!norm_only_, "LambPlan: this plan holds params only (a plan of the grad norm); it cannot step");
+    check_lamb_args(op, beta1, beta2, step, bias_correction, adam_w_mode);
+    const std::vector<ListArg> lists{{"grads", &grads_}, {"params", &work_}, {"exp_avgs", &m_}, {"exp_avg_sqs", &v_}};
+    // Every check before the first launch: bad input leaves everything untouched.
+    if (!prepare(op, noop_flag, 1, lists)) return false;
+    if (global_grad_norm.has_value()) check_scalar(op, "global_grad_norm", *global_grad_norm, noop_flag, false);
+    const at::Tensor gnorm = global_grad_norm.has_value() ? *global_grad_norm : l2norm_total(grads_, noop_flag);
+    run_lamb(lists, noop_flag, lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging,
+             adam_w_mode, gnorm, max_grad_norm, use_nvlamb);
+    if (!copies_.empty()) copy_to(work_, copies_, noop_flag);
+    return true;
+  }
+
+ private:
+  std::vector<at::Tensor> work_, m_, v_, copies_;
+  bool norm_only_ = false;
+};
+
 }  // namespace apex_mta
+
+TORCH_LIBRARY_FRAGMENT(apex_mta, m) {
+  auto c = m.class_<apex_mta::LambPlan>("LambPlan")
+               .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                                std::vector<at::Tensor>, std::vector<at::Tensor>>())
+               .def("grad_norm", &apex_mta::LambPlan::grad_norm)
+               .def("step", &apex_mta::LambPlan::step);
+  apex_mta::def_grad_plan_methods(c);
+}
 
 TORCH_LIBRARY_IMPL(apex_mta, CUDA, m) {
   m.impl("multi_tensor_lamb_stage1", &apex_mta::multi_tensor_lamb_stage1_cuda);
