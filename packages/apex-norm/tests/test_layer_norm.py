@@ -264,6 +264,17 @@ def test_cuda_many_rows(H, rows, dtype, memory_efficient):
     got = torch.autograd.grad(y, [x, w, b], dy)
     want = torch.autograd.grad(expected, [xd, wd, bd], dy.double())
     torch.testing.assert_close(got[0].double(), want[0], **tol(dtype, torch.float16))
+    if memory_efficient and dtype != torch.float32:
+        # x-hat comes back from the rounded 16-bit output, so the weight and bias gradients (sums
+        # over thousands of rows) carry that rounding, whoever computes them: the kernel is held
+        # to the plain-torch reference given the same output, statistics and dy.
+        _, mean, invvar = ref.layer_norm_fwd(x.detach(), w.detach(), b.detach(), [H], 1e-5)
+        want = ref.layer_norm_bwd(
+            dy, mean, invvar, y.detach(), [H], w.detach(), b.detach(), 1e-5, True, dtype
+        )
+        for g, e in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g.double(), e.double(), **tol(dtype))
+        return
     for g, e in zip(got[1:], want[1:]):
         torch.testing.assert_close(g.double(), e, **grad_tol(H, dtype))
 

@@ -227,4 +227,5 @@ def test_cuda_module_step_is_capturable_in_a_cuda_graph():
         y.backward(g)
     graph.replay()
     torch.cuda.synchronize()
-    assert int(bn.num_batches_tracked) == 3
+    # The warm-up step and the replay count; capturing records the step without running it.
+    assert int(bn.num_batches_tracked) == 2

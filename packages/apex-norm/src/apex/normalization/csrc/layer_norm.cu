@@ -7,10 +7,11 @@
 //
 // Fast path ("fast"): H % 8 == 0 and every pointer aligned to 8 elements. Each thread keeps its
 // NV vectors of 8 elements of a row in registers in the input's own dtype (16-bit data stays
-// packed: half the registers of float32), so the row is read from memory once. The grid is
-// persistent (what fits on the GPU at once) and each row group walks the rows r, r + G, ...; the
-// loads of its next row are issued before the current row is reduced and written, so memory
-// always has a row in flight per group. A row's sums take one barrier (two alternating
+// packed: half the registers of float32), so the row is read from memory once. The backward's
+// grid is persistent (what fits on the GPU at once): each row group walks the rows r, r + G, ...,
+// summing the weight gradients as it goes, and issues the loads of its next row before the
+// current row is reduced and written. The forward can do the same (APEX_NORM_TUNE fwd_waves),
+// but a block per rows measured faster (see Tune). A row's sums take one barrier (two alternating
 // shared-memory slots), and LayerNorm's mean and variance come from one reduction: each thread's
 // (count, mean, M2), merged pairwise in a fixed order (Chan et al.), exact where sum and sum of
 // squares would cancel. The backward's fast kernel wants grad_output in the input's dtype (the
@@ -758,12 +759,17 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
   return {tx, std::max(1, 256 / tx), 0};
 }
 
-// The launch shape's knobs. Defaults are the values measured best on an H200; APEX_NORM_TUNE
-// ("fwd_pt=4,bwd_pt=2,fwd_waves=1,bwd_waves=1", read once) overrides them for tuning sweeps:
-// *_pt vectors per thread, *_waves the persistent grid in multiples of what fits at once.
+// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_waves=0,bwd_waves=1", read
+// once) overrides them for tuning sweeps: *_pt vectors per thread, *_waves the persistent grid in
+// multiples of what fits at once (0: one row group per block row, no persistence). The forward's
+// default is not persistent: on an H200 (2026-12-03, bf16 [32768, 4096] RMSNorm) its persistent
+// grid with the next row prefetched took 199 us against 145 us for a block per rows; the
+// backward needs the persistent grid for its weight-gradient sums (407 us, 442 before prefetch).
 struct Tune {
-  int fwd_pt = 4, bwd_pt = 2, fwd_waves = 1, bwd_waves = 1;
+  int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
 };
+
+int key_min(const std::string& key) { return key.find("waves") != std::string::npos ? 0 : 1; }
 
 const Tune& tune() {
   static const Tune t = [] {
@@ -779,7 +785,7 @@ const Tune& tune() {
       const size_t eq = item.find('=');
       if (eq != std::string::npos) {
         const std::string key = item.substr(0, eq);
-        const int val = std::max(1, std::atoi(item.c_str() + eq + 1));
+        const int val = std::max(key_min(item.substr(0, eq)), std::atoi(item.c_str() + eq + 1));
         if (key == "fwd_pt") v.fwd_pt = val;
         if (key == "bwd_pt") v.bwd_pt = val;
         if (key == "fwd_waves") v.fwd_waves = val;
@@ -895,9 +901,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
     auto fast = [&](auto kernel) {
-      // A persistent grid: each row group walks its rows with the next one in flight.
-      const int64_t fit = resident_blocks(reinterpret_cast<const void*>(kernel), c.tx * c.ty, 0,
-                                          input.get_device()) * tune().fwd_waves;
+      // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
+      // its rows with the next one in flight.
+      const int64_t fit = tune().fwd_waves == 0
+                              ? row_blocks
+                              : resident_blocks(reinterpret_cast<const void*>(kernel), c.tx * c.ty,
+                                                0, input.get_device()) * tune().fwd_waves;
       const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(row_blocks, fit)));
       kernel<<<blocks, block, 0, stream>>>(a);
     };
@@ -986,7 +995,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         // traffic of 16-bit tensors.
         const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
         const int64_t fit = fast ? resident_blocks(reinterpret_cast<const void*>(kernel),
-                                                   c.tx * c.ty, smem, device) * tune().bwd_waves
+                                                   c.tx * c.ty, smem, device) * std::max(1, tune().bwd_waves)
                                  : int64_t(sm_count(device)) * std::max(1, 2048 / (c.tx * c.ty));
         int64_t blocks = std::min(row_blocks, fit);
         if (want_w || want_b) {
