@@ -2,7 +2,8 @@
 
     python tools/bench_report.py OUT/bench [--docs docs]
 
-Reads every ``<name>.json`` / ``<name>.md`` a ``bench_*.py --out DIR`` wrote. Files in the shared
+Reads every ``<name>.json`` / ``<name>.md`` a ``bench_*.py --out DIR`` wrote (and ``sources.md``
+there, if present, as the page's opening: which run each file came from). Files in the shared
 format (``{"ceiling": ..., "rows": [...]}``, written by bench_utils.write) get one plot per
 benchmark: TB/s per case for each implementation, with the copy bandwidth measured in the same
 run drawn as the ceiling. Every file's markdown table goes on the page as it is. Writes
@@ -88,6 +89,9 @@ def main() -> int:
     for old in img_dir.glob("*.png"):
         old.unlink()
     page = []
+    sources = args.bench_dir / "sources.md"  # optional: which run each file came from
+    if sources.is_file():
+        page.append(sources.read_text().strip() + "\n")
     for f in files:
         name = f.stem
         data = json.loads(f.read_text())
