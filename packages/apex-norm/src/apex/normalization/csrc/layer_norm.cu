@@ -759,14 +759,16 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
   return {tx, std::max(1, 256 / tx), 0};
 }
 
-// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_waves=0,bwd_waves=1", read
-// once) overrides them for tuning sweeps: *_pt vectors per thread, *_waves the persistent grid in
+// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_pt16=4,bwd_pt16=2,fwd_waves=0,
+// bwd_waves=1", read once) overrides them for tuning sweeps: *_pt vectors per thread (*_pt16 for
+// 16-bit input), *_waves the persistent grid in
 // multiples of what fits at once (0: one row group per block row, no persistence). The forward's
 // default is not persistent: on an H200 (2026-12-03, bf16 [32768, 4096] RMSNorm) its persistent
 // grid with the next row prefetched took 199 us against 145 us for a block per rows; the
 // backward needs the persistent grid for its weight-gradient sums (407 us, 442 before prefetch).
 struct Tune {
   int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
+  int fwd_pt16 = 4, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
 };
 
 int key_min(const std::string& key) { return key.find("waves") != std::string::npos ? 0 : 1; }
@@ -790,6 +792,8 @@ const Tune& tune() {
         if (key == "bwd_pt") v.bwd_pt = val;
         if (key == "fwd_waves") v.fwd_waves = val;
         if (key == "bwd_waves") v.bwd_waves = val;
+        if (key == "fwd_pt16") v.fwd_pt16 = val;
+        if (key == "bwd_pt16") v.bwd_pt16 = val;
       }
       pos = end + 1;
     }
@@ -894,7 +898,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             static_cast<float>(eps), wt, yt};
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 8, tune().fwd_pt);
+  const Config c =
+      pick(H, aligned, 8, input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt);
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -977,7 +982,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             nullptr, nullptr, rows, H, static_cast<float>(eps), dyt, wt, dxt, memory_efficient};
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 4, tune().bwd_pt);
+  const Config c = pick(H, aligned, 4, xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
   const int device = xy.get_device();
