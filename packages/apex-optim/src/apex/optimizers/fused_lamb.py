@@ -127,8 +127,6 @@ class FusedLAMB(FusedOptimizer):
                for g, _, _ in work):  # fmt: skip
             self._release(work)
             return False
-        max_grad_norm = self.defaults["max_grad_norm"]
-        nvlamb = bool(self.use_nvlamb)
         try:
             gnorm = None
             if len(work) > 1 or len(work[0][1].buckets) > 1:
@@ -136,13 +134,8 @@ class FusedLAMB(FusedOptimizer):
                 if gnorm is None:  # a grad vanished between the fetches: cannot happen
                     raise RuntimeError(f"{self._name}: a grad was lost during the step")
             for group, plan, _ in work:
-                step = group["step"] = group.get("step", 0) + 1
-                beta1, beta2 = group["betas"]
-                args = (
-                    group["lr"], beta1, beta2, group["eps"], step, bool(group["bias_correction"]),
-                    group["weight_decay"], bool(group["grad_averaging"]), self.adam_w_mode, gnorm,
-                    max_grad_norm, nvlamb,
-                )  # fmt: skip
+                group["step"] = group.get("step", 0) + 1
+                args = self._lamb_args(group, gnorm)
                 for b in plan.buckets:
                     if not b.native.step(flag, *args):  # fetched above: cannot happen
                         raise RuntimeError(f"{self._name}: a grad was lost during the step")
@@ -150,6 +143,17 @@ class FusedLAMB(FusedOptimizer):
             self._release(work)  # no plan keeps a grad past the step
             raise
         return True
+
+    def _lamb_args(self, group: dict[str, Any], global_grad_norm) -> tuple:
+        """multi_tensor_lamb's hyper-parameters after its lists and flag, in its order (a plan's
+        step takes the same): the group's, with its step already counted."""
+        beta1, beta2 = group["betas"]
+        return (
+            group["lr"], beta1, beta2, group["eps"], group["step"],
+            bool(group["bias_correction"]), group["weight_decay"], bool(group["grad_averaging"]),
+            self.adam_w_mode, global_grad_norm, self.defaults["max_grad_norm"],
+            bool(self.use_nvlamb),
+        )  # fmt: skip
 
     @staticmethod
     def _release(work) -> None:
@@ -184,10 +188,9 @@ class FusedLAMB(FusedOptimizer):
                 work[i] = (group, plan, grads)
             all_grads.extend(grads)
         global_grad_norm = ops.multi_tensor_l2norm(all_grads, flag, False)[0]
-        max_grad_norm = self.defaults["max_grad_norm"]
         for group, plan, grads in work:
             group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
+            args = self._lamb_args(group, global_grad_norm)
             for b in plan.buckets:
                 ops.multi_tensor_lamb(
                     grads[b.start : b.stop],
@@ -195,18 +198,7 @@ class FusedLAMB(FusedOptimizer):
                     b.state["exp_avg"],
                     b.state["exp_avg_sq"],
                     flag,
-                    group["lr"],
-                    beta1,
-                    beta2,
-                    group["eps"],
-                    group["step"],
-                    bool(group["bias_correction"]),
-                    group["weight_decay"],
-                    bool(group["grad_averaging"]),
-                    self.adam_w_mode,
-                    global_grad_norm,
-                    max_grad_norm,
-                    bool(self.use_nvlamb),
+                    *args,
                 )
                 if b.masters is not None:
                     self._copy_masters(b)
