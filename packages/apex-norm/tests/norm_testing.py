@@ -16,6 +16,11 @@ TOLERANCES = {
     torch.bfloat16: (3e-2, 2e-2),
 }
 LOW = [torch.float16, torch.bfloat16]
+
+# (H, rows) with rows enough that every row group of the backward's persistent grid walks several
+# rows (the prefetch of the next row, statistics carried across iterations, gradient sums over
+# many rows): the CUDA many-row tests of both norms.
+MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
 DTYPES = [torch.float32, *LOW]
 
 

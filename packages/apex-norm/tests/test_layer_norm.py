@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from norm_testing import (
     DTYPES,
     LOW,
+    MANY_ROWS,
     grad_tol,
     make,
     param,
@@ -242,11 +243,6 @@ def test_cuda_two_x_rule_against_torch(dtype, H):
     ours = (fused_layer_norm_affine(x, w, b, (H,), 1e-5).double() - oracle).abs().max()
     theirs = (F.layer_norm(x, (H,), w, b, 1e-5).double() - oracle).abs().max()
     assert ours <= 2 * theirs + 1e-6
-
-
-# Rows enough that every row group of the persistent grid walks several rows (the prefetch of
-# the next row, the statistics carried across iterations, the gradient sums over many rows).
-MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
 
 
 @pytest.mark.cuda

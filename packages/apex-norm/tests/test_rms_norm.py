@@ -8,6 +8,7 @@ import torch
 from norm_testing import (
     DTYPES,
     LOW,
+    MANY_ROWS,
     RMSNorm,
     grad_tol,
     make,
@@ -174,11 +175,6 @@ def test_cuda_matches_reference(H, dtype, affine, memory_efficient):
     torch.testing.assert_close(got[0].double().cpu(), want[0].double(), **tol(dtype, torch.float16))
     if affine:
         torch.testing.assert_close(got[1].double().cpu(), want[1].double(), **grad_tol(H, dtype))
-
-
-# Rows enough that every row group of the persistent grid walks several rows (the prefetch of
-# the next row, the statistics carried across iterations, the gradient sums over many rows).
-MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
 
 
 @pytest.mark.cuda

@@ -125,27 +125,16 @@ def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficien
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
+    ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     if memory_efficient:
         return out, (out, None, invvar, weight_, bias_)
     return out, (input_, mean, invvar, weight_, bias_)
 
 
 def _ln_backward(ctx, grad_output):
-    x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
     with _direct():
-        gi, gw, gb = ops.layer_norm_bwd(
-            grad_output.contiguous(),
-            mean,
-            invvar,
-            x_or_y,
-            ctx.normalized_shape,
-            weight,
-            bias,
-            ctx.eps,
-            ctx.memory_efficient,
-            ctx.input_dtype,
-        )
-    return gi, (gw if weight is not None else None), (gb if bias is not None else None)
+        gi, gw, gb = ops.layer_norm_grads(ctx, grad_output)
+    return gi, (gw if ctx.has_weight else None), (gb if ctx.has_bias else None)
 
 
 def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mixed):
@@ -158,23 +147,14 @@ def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mi
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
     ctx.input_dtype = input.dtype
+    ctx.has_weight = weight is not None
     return out, (out if memory_efficient else input_, invvar, weight_)
 
 
 def _rms_backward(ctx, grad_output):
-    x_or_y, invvar, weight = ctx.saved_tensors
     with _direct():
-        gi, gw = ops.rms_norm_bwd(
-            grad_output.contiguous(),
-            invvar,
-            x_or_y,
-            ctx.normalized_shape,
-            weight,
-            ctx.eps,
-            ctx.memory_efficient,
-            ctx.input_dtype,
-        )
-    return gi, (gw if weight is not None else None)
+        gi, gw = ops.rms_norm_grads(ctx, grad_output)
+    return gi, (gw if ctx.has_weight else None)
 
 
 class FusedLayerNormAffineFunction(torch.autograd.Function):

@@ -161,9 +161,12 @@ def _ln_setup(ctx, inputs, output):
     ctx.save_for_backward(*saved, invvar, weight, bias)
 
 
-def _ln_backward(ctx, grad_out, _grad_mean, _grad_invvar):
+def layer_norm_grads(ctx, grad_out):
+    """(grad_input, grad_weight, grad_bias) from an autograd context that saved (input or
+    output, mean, invvar, weight, bias) and set normalized_shape, eps, memory_efficient and
+    input_dtype: the op's own autograd and the apex Functions (fused_layer_norm.py) both."""
     x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
-    gi, gw, gb = layer_norm_bwd(
+    return layer_norm_bwd(
         grad_out.contiguous(),
         mean,
         invvar,
@@ -175,6 +178,26 @@ def _ln_backward(ctx, grad_out, _grad_mean, _grad_invvar):
         ctx.memory_efficient,
         ctx.input_dtype,
     )
+
+
+def rms_norm_grads(ctx, grad_out):
+    """(grad_input, grad_weight) from a context that saved (input or output, invvar, weight),
+    as layer_norm_grads."""
+    x_or_y, invvar, weight = ctx.saved_tensors
+    return rms_norm_bwd(
+        grad_out.contiguous(),
+        invvar,
+        x_or_y,
+        ctx.normalized_shape,
+        weight,
+        ctx.eps,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+
+
+def _ln_backward(ctx, grad_out, _grad_mean, _grad_invvar):
+    gi, gw, gb = layer_norm_grads(ctx, grad_out)
     return (
         gi,
         gw if ctx.has_weight else None,
@@ -198,17 +221,7 @@ def _rms_setup(ctx, inputs, output):
 
 
 def _rms_backward(ctx, grad_out, _grad_invvar):
-    x_or_y, invvar, weight = ctx.saved_tensors
-    gi, gw = rms_norm_bwd(
-        grad_out.contiguous(),
-        invvar,
-        x_or_y,
-        ctx.normalized_shape,
-        weight,
-        ctx.eps,
-        ctx.memory_efficient,
-        ctx.input_dtype,
-    )
+    gi, gw = rms_norm_grads(ctx, grad_out)
     return gi, gw if ctx.has_weight else None, None, None, None, None
 
 
