@@ -213,16 +213,11 @@ def time_spans(fn, warmup, rep):
     return statistics.median(times)
 
 
-def bench_overhead(args):
-    """amp's own per-step work on a 1.3 B list, through the calls a training step makes:
-    ``scale_loss`` around a backward (enter: stash and clear the grads; exit: unscale the fp16
-    grads into the fp32 master grads with the overflow check, read the flag) and
-    ``optimizer.step()`` (amp's wrapper: master -> model copy, master grads released; the
-    wrapped optimizer's own step is a no-op here). The backward itself is left out: the fp16
-    grads are assigned inside ``excluded()``, host work while the GPU is idle. The GPU starts
-    each span idle (the flag read syncs), so amp's host time counts in full; in training it
-    partly overlaps the backward's kernels."""
-    amp.reset()
+def overhead_setup():
+    """bench_overhead's setup, also scripts/profile_gpu.py's: the 1.3 B-parameter GPT-like list
+    (a tiny one on the CPU) under amp O2 fp16 with a no-op optimizer step, its masters made.
+    Returns ``(opt, params, grads, loss)``: the amp-wrapped optimizer, the fp16 model params,
+    an fp16 grad for each (what a backward would write) and a zero loss for ``scale_loss``."""
     shapes = gpt_like_shapes() if DEVICE == "cuda" else gpt_like_shapes(2, 64, 128)
     holder = nn.ParameterList(
         [nn.Parameter(torch.empty(s, device=DEVICE).normal_(0, 0.02)) for s in shapes]
@@ -234,7 +229,20 @@ def bench_overhead(args):
     opt._lazy_init_maybe_master_weights()
     params = opt._amp_stash.all_fp16_params
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-    loss = torch.zeros((), device=DEVICE)
+    return opt, params, grads, torch.zeros((), device=DEVICE)
+
+
+def bench_overhead(args):
+    """amp's own per-step work on a 1.3 B list, through the calls a training step makes:
+    ``scale_loss`` around a backward (enter: stash and clear the grads; exit: unscale the fp16
+    grads into the fp32 master grads with the overflow check, read the flag) and
+    ``optimizer.step()`` (amp's wrapper: master -> model copy, master grads released; the
+    wrapped optimizer's own step is a no-op here). The backward itself is left out: the fp16
+    grads are assigned inside ``excluded()``, host work while the GPU is idle. The GPU starts
+    each span idle (the flag read syncs), so amp's host time counts in full; in training it
+    partly overlaps the backward's kernels."""
+    amp.reset()
+    opt, params, grads, loss = overhead_setup()
     n = sum(p.numel() for p in params)
 
     def scale_loss(spans):
@@ -242,6 +250,16 @@ def bench_overhead(args):
             with spans.excluded():  # the backward: writes the fp16 grads
                 for p, g in zip(params, grads):
                     p.grad = g
+
+    masters = opt._amp_stash.all_fp32_from_fp16_params
+
+    def scale_loss_alone(spans):
+        # What step() would leave: no master grads (else the next exit accumulates into them,
+        # 10 bytes a param, not the unscale's 6).
+        scale_loss(spans)
+        with spans.excluded():
+            for m in masters:
+                m.grad = None
 
     def step(spans):
         opt.step()
@@ -258,7 +276,7 @@ def bench_overhead(args):
         ceiling_tbps = 2 * n * 4 / 1e9 / time_ms(lambda: dst.copy_(src), 2, 5)
     out = []
     for name, fn, bytes_per in (
-        ("unscale + overflow check + flag read", scale_loss, 6),
+        ("unscale + overflow check + flag read", scale_loss_alone, 6),
         ("master -> model copy", step, 6),
         ("amp per-step total", both, 12),
     ):
@@ -273,8 +291,10 @@ def bench_overhead(args):
                 "pct_copy": 100 * (gb / ms) / ceiling_tbps,
             }
         )
+    stash = opt._amp_stash
+    paths = {"plan_unscales": stash.plan_unscales, "plan_misses": dict(stash.plan_misses)}
     amp.reset()
-    return {"params": n, "tensors": len(params), "copy_tbps": ceiling_tbps}, out
+    return {"params": n, "tensors": len(params), "copy_tbps": ceiling_tbps, **paths}, out
 
 
 def _device_name() -> str:
@@ -335,7 +355,9 @@ def main(argv=None):
     lines += [
         "",
         f"amp per-step overhead, {over_info['params'] / 1e9:.2f} B params in "
-        f"{over_info['tensors']} tensors; copy bandwidth {over_info['copy_tbps']:.2f} TB/s.",
+        f"{over_info['tensors']} tensors; copy bandwidth {over_info['copy_tbps']:.2f} TB/s. "
+        f"Unscales through amp's plan: {over_info['plan_unscales']}; through the general path: "
+        f"{over_info['plan_misses'] or 'none'}.",
         "",
         "| work | ms | GB moved | TB/s | % of copy |",
         "|---|---:|---:|---:|---:|",

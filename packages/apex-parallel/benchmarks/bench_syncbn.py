@@ -18,7 +18,12 @@ same forward+backward captured in a CUDA graph (10 calls per graph) and replayed
 and host time vanish; ``graph pct copy`` is the bandwidth figure of that kernel time, and
 ``host over kernel`` is host ms / graph ms (below 1: the GPU, not the host, sets the pace).
 An implementation whose call cannot be captured (a collective or a host sync inside) shows
-nan there and the reason is printed. The DDP rows time a whole forward +
+nan there and the reason is printed. ``host burst ms`` is host time measured another way: 20
+calls issued back to back (no sync between them) divided by 20, the host's pace in a training
+loop; ``host ms`` times each call alone right after a synchronisation, which also counts the
+wake-up of threads that slept through it. The ``floor`` rows are the least a differentiable
+call costs the host: ``x * 2`` forward+backward (one kernel each way) and an identity
+autograd.Function. ``benchmarks/host_syncbn.py`` measures the Python side without a GPU. The DDP rows time a whole forward +
 backward of a small convolutional model (bytes 0: not a bandwidth benchmark).
 """
 
@@ -27,7 +32,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +52,7 @@ from bench_utils import (  # noqa: E402
     wall_ms,
     write,
 )
+from host_syncbn import Identity  # noqa: E402 - beside this script (sys.path[0])
 
 SHAPE = (64, 256, 56, 56)
 
@@ -92,7 +100,21 @@ def kernel_ms(step, name, case):
     return ms
 
 
-def bn_rows(dtype, layout, have_group, graphs):
+def host_burst_ms(fn, calls: int = 20, rep: int = 15) -> float:
+    """Median host milliseconds per call of ``calls`` calls issued back to back."""
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) * 1e3 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _inputs(dtype, layout):
+    """(x, g, case): the benchmark's input (requires grad) and output gradient in ``layout``."""
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     x = (
         torch.randn(SHAPE, device="cuda", dtype=dtype)
@@ -100,8 +122,39 @@ def bn_rows(dtype, layout, have_group, graphs):
         .requires_grad_()
     )
     g = torch.randn(SHAPE, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+    return x, g, f"{list(SHAPE)} {str(dtype).replace('torch.', '')} {layout}"
+
+
+def _row(case, name, step, gbytes):
+    """The eager measurements of ``step``: kernel (events), host, wall and host burst time."""
+    ms = time_cuda(step, warmup=5, rep=30)
+    host = host_ms(step, rep=30)
+    wall = wall_ms(step, rep=20)
+    extra = {"wall_ms": wall, "host_burst_ms": host_burst_ms(step)}
+    return Row("syncbn fwd+bwd", case, name, ms, gbytes, host, extra)
+
+
+def floor_rows(dtype, layout, graphs):
+    x, g, case = _inputs(dtype, layout)
+    rows = []
+    for name, fn in (
+        ("floor: x * 2", lambda: x * 2),
+        ("floor: identity Function", lambda: Identity.apply(x)),
+    ):
+
+        def step(fn=fn):
+            x.grad = None
+            fn().backward(g)
+
+        row = _row(case, name, step, 0.0)
+        rows.append(row)
+        graphs.append((row, step))
+    return rows
+
+
+def bn_rows(dtype, layout, have_group, graphs):
+    x, g, case = _inputs(dtype, layout)
     gbytes = 5 * x.numel() * x.element_size() / 1e9
-    case = f"{list(SHAPE)} {str(dtype).replace('torch.', '')} {layout}"
     c = SHAPE[1]
     impls = {"apex SyncBatchNorm": SyncBatchNorm(c).cuda()}
     if have_group:
@@ -115,13 +168,10 @@ def bn_rows(dtype, layout, have_group, graphs):
             mod(x).backward(g)
 
         try:
-            ms = time_cuda(step, warmup=5, rep=30)
-            host = host_ms(step, rep=30)
-            wall = wall_ms(step, rep=20)
+            row = _row(case, name, step, gbytes)
         except Exception as e:  # noqa: BLE001 - one failing implementation must not hide the rest
             print(f"{name} {case}: {type(e).__name__}: {e}")
             continue
-        row = Row("syncbn fwd+bwd", case, name, ms, gbytes, host, {"wall_ms": wall})
         rows.append(row)
         graphs.append((row, step))
     return rows
@@ -137,6 +187,7 @@ def add_kernel_times(graphs, ceiling):
             graph_ms=kms,
             graph_pct_copy=100 * (row.gbytes / kms) / ceiling.tbps,
             host_over_kernel=row.host_ms / kms,
+            burst_over_kernel=row.extra["host_burst_ms"] / kms,
         )
 
 
@@ -175,6 +226,7 @@ def ddp_rows():
         ms = time_cuda(step, warmup=5, rep=20)
         host = host_ms(step, rep=20)
         wall = wall_ms(step, rep=20)
+        extra = {"wall_ms": wall, "host_burst_ms": host_burst_ms(step, calls=5, rep=5)}
         rows.append(
             Row(
                 "ddp fwd+bwd",
@@ -183,7 +235,7 @@ def ddp_rows():
                 ms,
                 0.0,
                 host,
-                {"wall_ms": wall},
+                extra,
             )
         )
     return rows
@@ -203,6 +255,7 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for layout in ("channels_last", "nchw"):
             rows += bn_rows(dtype, layout, have_group, graphs)
+    rows += floor_rows(torch.bfloat16, "channels_last", graphs)
     if have_group:
         rows += ddp_rows()
     add_kernel_times(graphs, ceiling)

@@ -297,3 +297,20 @@ def test_eval_with_z_and_fused_relu_keeps_dtype_and_layout(dtype):
     want = torch.relu(want + z.float())
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(y.float(), want.detach(), atol=10 * atol, rtol=10 * rtol)
+
+
+def test_parametrized_weight_is_used():
+    """forward reads parameters from the module's dicts, or by attribute where a
+    parametrization made ``weight`` a property."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    x = torch.randn(3, 4, 5)
+    plain, para = SyncBatchNorm(4), SyncBatchNorm(4)
+    with torch.no_grad():
+        plain.weight.mul_(2)
+    parametrize.register_parametrization(para, "weight", Double())
+    torch.testing.assert_close(para(x), plain(x))

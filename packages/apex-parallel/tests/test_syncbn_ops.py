@@ -95,6 +95,43 @@ def test_backward_ops_match_the_unfused_ops(fuse_relu):
     )
 
 
+def _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu):
+    """syncbn_forward with stats None and syncbn_backward_local give what syncbn_stats +
+    syncbn_forward and syncbn_backward_reduce + syncbn_backward give, bit for bit."""
+    c = x.shape[1]
+    dev = x.device
+    bufs = [
+        torch.randn(c, device=dev),
+        torch.rand(c, device=dev) + 0.5,
+        torch.tensor(3, device=dev),
+    ]
+    bufs2 = [t.clone() for t in bufs]
+    y, saved = ops.syncbn_forward(x, None, None, w, b, *bufs, 1e-5, momentum, fuse_relu)
+    s = ops.syncbn_stats(x)
+    y2, saved2 = ops.syncbn_forward(x, s, None, w, b, *bufs2, 1e-5, momentum, fuse_relu)
+    assert torch.equal(y, y2) and y.stride() == y2.stride()
+    assert torch.equal(saved, saved2)
+    for a, e in zip(bufs, bufs2):  # an empty batch: unbiased variance nan in both
+        torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)
+    relu_out = y if fuse_relu else None
+    gi, gw, gb = ops.syncbn_backward_local(g, x, saved, w, relu_out)
+    sums, gw2, gb2 = ops.syncbn_backward_reduce(g, x, saved, w, relu_out)
+    gi2 = ops.syncbn_backward(g, x, saved, w, sums, relu_out)
+    assert torch.equal(gi, gi2) and gi.stride() == gi2.stride()
+    assert torch.equal(gw, gw2) and torch.equal(gb, gb2) and gw.dtype == gw2.dtype
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("momentum, fuse_relu", [(0.1, False), (None, True)])
+def test_one_rank_forms_match_the_two_op_forms(shape, momentum, fuse_relu):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 2 + 1
+    g = torch.randn(shape)
+    c = shape[1]
+    w = torch.rand(c, dtype=torch.bfloat16) + 0.5
+    _one_rank_forms_match_the_two_op_forms(x, g, w, torch.randn(c), momentum, fuse_relu)
+
+
 def test_fused_ops_refuse_bad_input():
     x = torch.randn(2, 3, 4)
     s = ops.syncbn_stats(x)
@@ -150,10 +187,20 @@ def test_module_autograd_graph_is_one_node():
 # ---- CUDA kernels against the references ---------------------------------------------------------
 
 
+# Shapes where the elementwise passes loop (more packs than one wave of threads, a partial last
+# stride) and the reductions split rows over many blocks: 16-byte and scalar paths (L or C not a
+# multiple of the vector), channels-last grids whose block count must be a multiple of 3 or 5
+# (C = 96, 40) or of 3 (C = 3), many channel blocks (C = 2048), and the benchmark's shape.
+LARGE = [(64, 96, 28, 28), (33, 40, 29, 31), (7, 3, 1031, 601), (16, 2048, 12, 12)]
+BENCH = (64, 256, 56, 56)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
-@pytest.mark.parametrize("shape", SHAPES + [(4, 256, 7, 9), (3, 24, 5, 5), (5, 3, 17)], ids=str)
+@pytest.mark.parametrize(
+    "shape", SHAPES + [(4, 256, 7, 9), (3, 24, 5, 5), (5, 3, 17), *LARGE, BENCH], ids=str
+)
 def test_cuda_fused_ops_match_reference(shape, layout, dtype):
     torch.manual_seed(0)
     x = _layout((torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype), layout)
@@ -229,3 +276,20 @@ def test_cuda_module_step_is_capturable_in_a_cuda_graph():
     torch.cuda.synchronize()
     # The warm-up step and the replay count; capturing records the step without running it.
     assert int(bn.num_batches_tracked) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(6, 5), (0, 4, 3), (2, 8, 5, 3), *LARGE, BENCH], ids=str)
+@pytest.mark.parametrize("momentum, fuse_relu", [(0.1, False), (None, True)])
+def test_cuda_one_rank_forms_match_the_two_op_forms(shape, layout, dtype, momentum, fuse_relu):
+    """What SyncBatchNorm runs at world size 1 (syncbn_forward taking its own statistics,
+    syncbn_backward_local) launches the two-op path's kernels: the same bits."""
+    torch.manual_seed(0)
+    x = _layout((torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype), layout)
+    g = _layout(torch.randn(shape, device="cuda").to(dtype), layout)
+    c = shape[1]
+    w = torch.rand(c, device="cuda", dtype=dtype) + 0.5
+    b = torch.randn(c, device="cuda")
+    _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu)

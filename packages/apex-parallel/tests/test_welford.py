@@ -61,7 +61,25 @@ def _fused_args(name, x, g, z, w, b):
         "syncbn_forward": (x, torch.stack([stats, stats]), z, w, b, rm, rv, nbt, 1e-5, None, True),
         "syncbn_backward_reduce": (g, x, saved, w, y),
         "syncbn_backward": (g, x, saved, w, sums, None),
+        "syncbn_backward_local": (g, x, saved, w, y),
     }[name]
+
+
+@pytest.mark.parametrize("name", ["syncbn_forward", "syncbn_backward_local"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=str)
+def test_opcheck_one_rank_forms(name, device):
+    """syncbn_forward taking its own statistics (stats None), and the one-rank backward op
+    without a weight or ReLU mask."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, g, z, w, b = _inputs((3, 8, 16), dtype, device)
+    if name == "syncbn_forward":
+        rm, rv = torch.zeros_like(w), torch.ones_like(w)
+        nbt = torch.zeros((), dtype=torch.long, device=device)
+        args = (x, None, None, w, b, rm, rv, nbt, 1e-5, 0.1, False)
+    else:
+        _, saved = reference.syncbn_forward(x, None, None, w, b, None, None, None, 1e-5, 0.1, False)
+        args = (g, x, saved, None, None)
+    opcheck(getattr(torch.ops.apex_parallel, name).default, args)
 
 
 # ---- references (CPU) -------------------------------------------------------------------------

@@ -23,6 +23,15 @@ allocated between steps (4 bytes per low-precision param, also during the forwar
 apex had freed the master grads). ``APEX_AMP_PERSISTENT_MASTER_GRADS=0`` (read at
 ``amp.initialize``), or ``optimizer._amp_stash.persistent_master_grads = False`` before the first
 backward, restores the per-step allocation.
+
+The plan (O2 with persistent master grads, every param on one device): from the second step on,
+the usual step's per-tensor work (clearing the model grads at ``scale_loss``'s enter; fetching
+the model grads, launching the unscale, handing out the views and clearing the model grads at
+its exit; the master copy and the release of the master grads in ``step``) runs on lists held in
+C++ (``apex.multi_tensor_apply.ops.amp_plan``; ``reference.AmpPlan``, the same in Python, on
+CPU), checked once rather than every step. Whatever differs from the usual step (a stashed grad,
+a model param without a grad, a master grad still set or a view still held, several devices)
+takes the general path below, which the plan's results match bit for bit.
 """
 
 from __future__ import annotations
@@ -62,6 +71,10 @@ class AmpOptimizerState:
         self._grad_views = None  # per master of all_fp32_from_fp16_params: a view, or None
         self._grad_buffers = ()  # (buffer, storage use count when nothing else holds it)
         self._device = None  # the one device of every param in the stash, None if several
+        self._plan = None  # the cached AmpPlan; False: none for these lists (module docstring)
+        self._plan_refs = 0  # Python references the plan adds to each view it holds
+        self.plan_unscales = 0  # unscales the plan ran, and why the others did not
+        self.plan_misses: dict = {}
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -106,22 +119,23 @@ def _by_device(*lists):
 
 
 @torch.no_grad()
-def _copy(src: list, dst: list, flags: dict, device=None) -> None:
+def _copy(src: list, dst: list, stash, device=None) -> None:
     """dst[i] = src[i] (dtype-converting), through multi_tensor_scale. ``device``: the one
     device of every tensor, when the caller knows it (skips the grouping)."""
     groups = {device: (src, dst)} if device is not None else _by_device(src, dst)
     for device, (s, d) in groups.items():
-        flag = flags.get(device)
-        if flag is None:
-            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        ops.multi_tensor_scale(s, d, flag, 1.0)
+        ops.multi_tensor_scale(s, d, _flag(stash, device), 1.0)
 
 
-def _flags(stash) -> dict:
+def _flag(stash, device) -> torch.Tensor:
+    """The stash's int32 flag on ``device`` (made at first use)."""
     flags = getattr(stash, "_flags", None)
     if flags is None:
         flags = stash._flags = {}
-    return flags
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
 
 
 def _is_fused_sgd(optimizer) -> bool:
@@ -156,6 +170,7 @@ def _rebuild_flat_lists(stash) -> None:
     # once no master grad still points into them.
     stash._grad_views = None
     stash._grad_buffers = ()
+    _drop_plan(stash)
 
 
 # Buffer slots start at multiples of 128 float32s (512 bytes, the caching allocator's alignment):
@@ -165,6 +180,12 @@ _SLOT_ALIGN = 128
 
 def _storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _buffers_free(stash) -> bool:
+    """Nothing but the stash's views holds a master-grad buffer (no slice or reshape of a view
+    is held)."""
+    return all(_storage_uses(b) <= uses for b, uses in stash._grad_buffers)
 
 
 def _view_refs(views: list) -> list:
@@ -199,6 +220,84 @@ def _make_grad_views(stash) -> list:
     return views
 
 
+def _plan_miss(stash, scaler, plan):
+    """Runs the usual step's unscale through ``plan``: None when it did, else why the general path
+    must (counted in ``stash.plan_misses``, for benchmarks and bug reports)."""
+    if not (
+        _all_none(stash.all_fp32_from_fp16_grad_stash)
+        and _all_none(stash.all_fp32_from_fp32_grad_stash)
+    ):
+        return "stashed grads (delay_unscale or grads kept across scale_loss)"
+    if not _buffers_free(stash):
+        return "a tensor made from the master-grad buffer is held"
+    refs, base = max(_view_refs(stash._grad_views), default=0), _view_base(stash)
+    if refs > base:
+        return f"a master-grad view is held (refcount {refs} > {base})"
+    if not scaler._unscale_plan(plan, stash._device):
+        return "the plan declined (a model grad missing, a master grad set, an overflow pending)"
+    return None
+
+
+def _view_base(stash) -> int:
+    """sys.getrefcount of a view that nobody else holds: calibrated when the views were made,
+    plus the references the plan holding them adds (measured by _make_plan)."""
+    return stash._grad_view_refs + stash._plan_refs
+
+
+def _drop_plan(stash) -> None:
+    stash._plan = None
+    stash._plan_refs = 0
+
+
+def _amp_plan(stash):
+    """The stash's AmpPlan, made at first use after the views exist; None where the general path
+    runs: persistence off, params on several devices, a master outside the buffer, an
+    apex-mta-kernels without ``amp_plan``."""
+    plan = stash._plan
+    if plan is None:
+        if not stash.persistent_master_grads or stash._grad_views is None:
+            return None  # no views yet: made by the first unscale
+        plan = _make_plan(stash)
+        if plan is None:
+            return None
+        plan, stash._plan_refs = plan if plan is not False else (False, 0)
+        stash._plan = plan
+    return plan if plan is not False and stash.persistent_master_grads else None
+
+
+def _make_plan(stash):
+    """(a new plan, the Python references it adds to a view it holds); False where no plan fits
+    these lists; None where none can be made now (while torch.compile traces)."""
+    factory = getattr(ops, "amp_plan", None)
+    if (
+        factory is None
+        or stash._device is None
+        or not stash.all_fp16_params
+        or not _none_missing(stash._grad_views)
+    ):
+        return False
+    plan = factory(
+        stash.all_fp16_params,
+        stash.all_fp32_from_fp16_params,
+        stash._grad_views,
+        stash.all_fp32_from_fp32_params,
+    )
+    if plan is None:
+        return None
+    # Whether a view held by the plan has one more Python reference: on torch versions where a
+    # tensor that C++ shares keeps its Python object alive by holding a reference to it (the
+    # C++ plan; not the reference plan, which keeps the list it is given, nor torch before
+    # that change). Measured on a probe plan of one expanded 0-byte "view", so that the base of
+    # the free-view check stays exact.
+    master = stash.all_fp32_from_fp16_params[0]
+    probe = [torch.empty((), device=master.device).expand(master.shape)]
+    before = sys.getrefcount(probe[0])
+    probe_plan = factory(stash.all_fp16_params[:1], [master], probe, [])
+    refs = sys.getrefcount(probe[0]) - before
+    del probe_plan
+    return plan, refs
+
+
 def _fresh_master_grads(stash, indices: list) -> list:
     """Tensors to unscale the grads of masters ``indices`` into (each master's grad is None):
     the cached views of the persistent buffer, or ``empty_like`` where a view is still held by
@@ -209,8 +308,8 @@ def _fresh_master_grads(stash, indices: list) -> list:
     views = stash._grad_views
     if views is None:
         views = _make_grad_views(stash)
-    if all(_storage_uses(b) <= uses for b, uses in stash._grad_buffers):
-        base = stash._grad_view_refs
+    if _buffers_free(stash):
+        base = _view_base(stash)
         refs = _view_refs(views)  # None (a master outside the buffer) counts far above base
         if len(indices) == len(views) and max(refs, default=0) <= base:
             return list(views)  # the usual step: every view free
@@ -264,6 +363,12 @@ def lazy_init_with_master_weights(self) -> None:
 def prepare_backward_with_master_weights(self) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
+    plan = _amp_plan(stash)
+    if plan is not None and plan.prepare():
+        # No grad to stash: the plan cleared the model grads.
+        stash.all_fp32_from_fp16_grad_stash = [None] * len(stash.all_fp32_from_fp16_params)
+        stash.all_fp32_from_fp32_grad_stash = [None] * len(stash.all_fp32_from_fp32_params)
+        return
     # Stash the existing grads; None them so backward (and the unscale) write the new ones alone.
     for params, name in (
         (stash.all_fp32_from_fp16_params, "all_fp32_from_fp16_grad_stash"),
@@ -281,6 +386,13 @@ def prepare_backward_with_master_weights(self) -> None:
 def post_backward_with_master_weights(self, scaler) -> None:
     stash = self._amp_stash
     self._amp_lazy_init()
+    plan = _amp_plan(stash)
+    if plan is not None:
+        why = _plan_miss(stash, scaler, plan)
+        if why is None:
+            stash.plan_unscales += 1
+            return  # the usual step, done by the plan (the stashes are already empty)
+        stash.plan_misses[why] = stash.plan_misses.get(why, 0) + 1
     masters = stash.all_fp32_from_fp16_params
     model_grads = [p.grad for p in stash.all_fp16_params]
     stashed = stash.all_fp32_from_fp16_grad_stash
@@ -340,7 +452,11 @@ def post_backward_with_master_weights(self, scaler) -> None:
 def master_params_to_model_params(self) -> None:
     stash = self._amp_stash
     if stash.lazy_init_called and stash.all_fp16_params:
-        _copy(stash.all_fp32_from_fp16_params, stash.all_fp16_params, _flags(stash), stash._device)
+        plan = _amp_plan(stash)
+        if plan is not None:
+            plan.copy_back(_flag(stash, stash._device), False)
+            return
+        _copy(stash.all_fp32_from_fp16_params, stash.all_fp16_params, stash, stash._device)
 
 
 # ---- without master weights ---------------------------------------------------------------------
@@ -417,8 +533,14 @@ def _patch_master_step(optimizer) -> None:
         stash = self._amp_stash
         self._amp_lazy_init()
         result = old_step()
+        copy = self._master_params_to_model_params
+        if not writes_models and getattr(copy, "__func__", None) is master_params_to_model_params:
+            plan = _amp_plan(stash)
+            if plan is not None:  # the copy and the release of the master grads in one call
+                plan.copy_back(_flag(stash, stash._device), True)
+                return result
         if not writes_models:
-            self._master_params_to_model_params()
+            copy()
         # The master grads are done with; the next backward writes them afresh.
         for master in stash.all_fp32_from_fp16_params:
             master.grad = None
@@ -458,6 +580,7 @@ def _patch_master_load_state_dict(optimizer) -> None:
 
     def load_state_dict(self, state_dict):
         self._amp_lazy_init()
+        _drop_plan(self._amp_stash)  # checked afresh at the next step
         return old_load(state_dict)
 
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

@@ -171,6 +171,13 @@ class LossScaler:
             ops.multi_tensor_axpby(src, stashed, dst, flag, 1.0 / scale, 1.0, 0)
         self._merge()
 
+    def _unscale_plan(self, plan, device) -> bool:
+        """``unscale`` of amp's usual O2 step through its AmpPlan (``_process_optimizer``), all
+        tensors on ``device``; False, with nothing done, where ``unscale`` must run instead."""
+        if self._has_overflow or device != self._overflow_buf.device:
+            return False
+        return plan.unscale(self._overflow_buf, 1.0 / self._loss_scale)
+
     # ---- update --------------------------------------------------------------------------------
 
     def update_scale(self) -> bool:

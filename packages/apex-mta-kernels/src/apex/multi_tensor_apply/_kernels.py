@@ -15,6 +15,7 @@ MTA = KernelSpec(
         "csrc/novograd.cu",
         "csrc/adagrad.cu",
         "csrc/lamb.cu",
+        "csrc/amp_plan.cpp",
     ),
 )
 

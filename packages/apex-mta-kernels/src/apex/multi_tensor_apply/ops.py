@@ -707,3 +707,35 @@ def lamb_plan(params, work, exp_avgs, exp_avg_sqs, copies=()):
     if params[0].is_cuda and OPS.ensure_loaded():
         return torch.classes.apex_mta.LambPlan(*args)
     return reference.LambPlan(*args)
+
+
+def amp_plan(model_params, masters, grad_views, fp32_params=()):
+    """A cached plan of apex-amp's O2 step: ``torch.classes.apex_mta.AmpPlan`` where the compiled
+    kernels run, ``reference.AmpPlan`` (same methods, same results) elsewhere, such as CPU
+    tensors; None while torch.compile traces.
+
+    ``model_params``: the low-precision model params; ``masters``: their fp32 masters;
+    ``grad_views``: a float32 tensor per master, its shape, that becomes its grad (the views of
+    amp's persistent master-grad buffer); ``fp32_params``: fp32 params that are their own masters.
+    ``plan.prepare()``: when no master and no fp32 param has a grad, clear every model param's
+    grad and return True; else change nothing and return False. ``plan.unscale(noop_flag,
+    scale)``: multi_tensor_scale of [model grads, fp32 grads] into [grad_views, fp32 grads (in
+    place)] times ``scale`` (overflow into noop_flag), then each master's grad is its view and the
+    model grads are cleared; False, changing nothing, when a model or fp32 param has no grad, a
+    master already has one or no longer has its view's shape. Whether anyone else still holds a
+    view is the caller's to check first. ``plan.copy_back(noop_flag, release_grads)``:
+    multi_tensor_scale of the masters into the model params, then (``release_grads``) every
+    master's grad cleared. The lists are checked with multi_tensor_scale's checks the first time
+    and again whenever a tensor's dtype, size, layout or device changed; between those, the
+    per-step host work is a few loads per tensor in C++.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    first = next(iter([*model_params, *fp32_params]), None)
+    if first is None:
+        return None
+    if first.is_cuda and OPS.ensure_loaded():
+        return torch.classes.apex_mta.AmpPlan(
+            list(model_params), list(masters), list(grad_views), list(fp32_params)
+        )
+    return reference.AmpPlan(model_params, masters, grad_views, fp32_params)

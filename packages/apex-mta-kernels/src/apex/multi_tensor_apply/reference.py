@@ -1023,3 +1023,80 @@ class LambPlan:
             return True
         finally:
             self.release()
+
+
+class AmpPlan:
+    """The reference of ``torch.classes.apex_mta.AmpPlan`` (see ``ops.amp_plan``): apex-amp's O2
+    step on held lists, the same methods and results as the C++ plan. ``grad_views`` is kept as
+    the very list given (not a copy), so the plan adds no Python reference to a view and the
+    caller's reference counts of them stay what they were."""
+
+    def __init__(self, model_params: Tensors, masters: Tensors, grad_views: list,
+                 fp32_params: Tensors = ()):  # fmt: skip
+        n = len(model_params)
+        self._model, self._masters = list(model_params), list(masters)
+        self._views, self._fp32 = grad_views, list(fp32_params)
+        if not len(self._masters) == len(self._views) == n:
+            raise ValueError(
+                f"AmpPlan: model_params has {n} tensors but masters and grad_views have "
+                f"{len(self._masters)} and {len(self._views)}"
+            )
+        for i, (m, v) in enumerate(zip(self._masters, self._views)):
+            if v is None or not _fits(m, v):
+                raise ValueError(
+                    f"AmpPlan: grad_views[{i}] must be a float32 tensor of masters[{i}]'s shape "
+                    "and device"
+                )
+
+    def __len__(self) -> int:
+        return len(self._model)
+
+    def prepare(self) -> bool:
+        """When no master and no fp32 param has a grad, clear every model param's grad: True.
+        Else change nothing: False."""
+        if any(m.grad is not None for m in self._masters):
+            return False
+        if any(p.grad is not None for p in self._fp32):
+            return False
+        for p in self._model:
+            p.grad = None
+        return True
+
+    @torch.no_grad()
+    def unscale(self, noop_flag: torch.Tensor, scale: float) -> bool:
+        """multi_tensor_scale of [model grads + fp32 grads] into [views + fp32 grads (in place)]
+        times ``scale``; then each master's grad is its view and the model grads are cleared.
+        False, changing nothing, when a model or fp32 param has no (strided) grad, a master has
+        a grad, or a master no longer fits its view."""
+        grads = []
+        for p, m, v in zip(self._model, self._masters, self._views):
+            g = p.grad
+            if g is None or g.layout != torch.strided or m.grad is not None or not _fits(m, v):
+                return False
+            grads.append(g)
+        fp32_grads = [p.grad for p in self._fp32]
+        if any(g is None or g.layout != torch.strided for g in fp32_grads):
+            return False
+        multi_tensor_scale(grads + fp32_grads, list(self._views) + fp32_grads, noop_flag, scale)
+        for p, m, v in zip(self._model, self._masters, self._views):
+            m.grad = v
+            p.grad = None
+        return True
+
+    @torch.no_grad()
+    def copy_back(self, noop_flag: torch.Tensor, release_grads: bool) -> None:
+        """multi_tensor_scale of the masters into the model params (scale 1); with
+        ``release_grads`` every master's grad is then cleared."""
+        multi_tensor_scale(self._masters, self._model, noop_flag, 1.0)
+        if release_grads:
+            for m in self._masters:
+                m.grad = None
+
+
+def _fits(master: torch.Tensor, view: torch.Tensor) -> bool:
+    """What the .grad setter requires of ``view`` as ``master``'s grad (AmpPlan)."""
+    return (
+        master.dtype == torch.float32
+        and master.device == view.device
+        and master.shape == view.shape
+    )

@@ -41,7 +41,7 @@ SCHEMAS = {
     # one collective carries them (reference.py describes the packing).
     "syncbn_stats": "syncbn_stats(Tensor input) -> Tensor",
     "syncbn_forward": (
-        "syncbn_forward(Tensor input, Tensor stats, Tensor? z, Tensor? weight, Tensor? bias, "
+        "syncbn_forward(Tensor input, Tensor? stats, Tensor? z, Tensor? weight, Tensor? bias, "
         "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
         "float eps, float? momentum, bool fuse_relu) -> (Tensor, Tensor)"
     ),
@@ -52,6 +52,12 @@ SCHEMAS = {
     "syncbn_backward": (
         "syncbn_backward(Tensor grad_out, Tensor input, Tensor saved, Tensor? weight, "
         "Tensor sums, Tensor? relu_out) -> Tensor"
+    ),
+    # One rank's whole backward (no all_reduce between the reduction and the input gradient):
+    # (grad_input, grad_weight, grad_bias) in one call.
+    "syncbn_backward_local": (
+        "syncbn_backward_local(Tensor grad_out, Tensor input, Tensor saved, Tensor? weight, "
+        "Tensor? relu_out) -> (Tensor, Tensor, Tensor)"
     ),
 }
 
@@ -95,6 +101,11 @@ _FAKES = {
     ),
     "syncbn_backward": lambda grad_out, input, saved, weight, sums, relu_out: torch.empty_like(
         input
+    ),
+    "syncbn_backward_local": lambda grad_out, input, saved, weight, relu_out: (
+        torch.empty_like(input),
+        _param_grad_like(input, weight),
+        _param_grad_like(input, weight),
     ),
 }
 
@@ -296,11 +307,14 @@ def syncbn_forward(
     num_batches_tracked=None, eps=1e-5, momentum=0.1, fuse_relu=False,
 ):  # fmt: skip
     """Merge the gathered ``stats`` of every rank, update the running estimates in place and
-    normalise; returns ``(out, saved)`` (``saved``: global mean, inv_std, count)."""
+    normalise; returns ``(out, saved)`` (``saved``: global mean, inv_std, count). ``stats``
+    None: this rank alone, whose statistics the op takes itself (one call instead of
+    ``syncbn_stats`` then ``syncbn_forward``)."""
     op = "syncbn_forward"
     _check_nd(op, "input", input)
     c = input.shape[1]
-    _check_packed(op, "stats", stats, input, 2 * c + 1, exact=False)
+    if stats is not None:
+        _check_packed(op, "stats", stats, input, 2 * c + 1, exact=False)
     if z is not None:
         _check_nd(op, "z", z, input)
     for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean),
@@ -316,27 +330,33 @@ def syncbn_forward(
     )  # fmt: skip
 
 
-def syncbn_backward_reduce(grad_out, input, saved, weight=None, relu_out=None):
-    """``(sums, grad_weight, grad_bias)``: float32 [2C] ``sum(dy), sum(dy * (x - mean))`` for
-    the all_reduce, and this rank's parameter gradients in ``weight``'s dtype."""
-    op = "syncbn_backward_reduce"
+def _check_backward(op, grad_out, input, saved, weight, relu_out, sums=None):
+    """The checks of the backward ops' arguments; ``sums``: syncbn_backward's."""
     _check_nd(op, "input", input)
     _check_nd(op, "grad_out", grad_out, input)
     _check_packed(op, "saved", saved, input, 2 * input.shape[1] + 1)
+    if sums is not None:
+        _check_packed(op, "sums", sums, input, 2 * input.shape[1])
     _check_vec(op, "weight", weight, input, False)
     if relu_out is not None:
         _check_nd(op, "relu_out", relu_out, input)
+
+
+def syncbn_backward_reduce(grad_out, input, saved, weight=None, relu_out=None):
+    """``(sums, grad_weight, grad_bias)``: float32 [2C] ``sum(dy), sum(dy * (x - mean))`` for
+    the all_reduce, and this rank's parameter gradients in ``weight``'s dtype."""
+    _check_backward("syncbn_backward_reduce", grad_out, input, saved, weight, relu_out)
     return torch.ops.apex_parallel.syncbn_backward_reduce(grad_out, input, saved, weight, relu_out)
 
 
 def syncbn_backward(grad_out, input, saved, weight, sums, relu_out=None):
     """The input gradient from the all-reduced ``sums``."""
-    op = "syncbn_backward"
-    _check_nd(op, "input", input)
-    _check_nd(op, "grad_out", grad_out, input)
-    _check_packed(op, "saved", saved, input, 2 * input.shape[1] + 1)
-    _check_packed(op, "sums", sums, input, 2 * input.shape[1])
-    _check_vec(op, "weight", weight, input, False)
-    if relu_out is not None:
-        _check_nd(op, "relu_out", relu_out, input)
+    _check_backward("syncbn_backward", grad_out, input, saved, weight, relu_out, sums)
     return torch.ops.apex_parallel.syncbn_backward(grad_out, input, saved, weight, sums, relu_out)
+
+
+def syncbn_backward_local(grad_out, input, saved, weight=None, relu_out=None):
+    """``(grad_input, grad_weight, grad_bias)`` of one rank alone: ``syncbn_backward_reduce``
+    then ``syncbn_backward`` in one call, with nothing to all-reduce between them."""
+    _check_backward("syncbn_backward_local", grad_out, input, saved, weight, relu_out)
+    return torch.ops.apex_parallel.syncbn_backward_local(grad_out, input, saved, weight, relu_out)

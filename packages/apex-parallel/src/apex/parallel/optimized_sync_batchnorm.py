@@ -15,6 +15,12 @@ from .optimized_sync_batchnorm_kernel import SyncBatchnormFunction
 __all__ = ["SyncBatchNorm"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_dist_available = dist.is_available()
+_apply = SyncBatchnormFunction.apply
+# Process group (None: the default one) -> world size, for the default group in "default";
+# cleared when torch.distributed is initialised again. Held here, not on the modules, so that
+# they still deepcopy and pickle.
+_WORLD_SIZES: dict = {}
 
 
 def _channels_last_format(x: torch.Tensor) -> bool:
@@ -131,21 +137,43 @@ class SyncBatchNorm(_BatchNorm):
         return "nc"  # channels in dimension 1, any memory format ("torch_cl" or "ncl")
 
     def _group(self):
-        """(process group, world size) of the synchronisation; world size 1 without one."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """(process group, world size) of the synchronisation; world size 1 without one.
+
+        Looked up once per group (_WORLD_SIZES): a group's size and this rank's membership never
+        change, so no torch.distributed calls are made per step."""
+        if not (_dist_available and dist.is_initialized()):
             return None, 1
         group = self.process_group
-        if group is not None and group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        if _WORLD_SIZES.get("default") is not dist.GroupMember.WORLD:  # (re)initialised
+            _WORLD_SIZES.clear()
+            _WORLD_SIZES["default"] = dist.GroupMember.WORLD
+        world = _WORLD_SIZES.get(group)
+        if world is not None:
+            return group, world
+        non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())
+        if group is not None and (group is non_member or dist.get_rank(group) < 0):
             raise ValueError(
                 "SyncBatchNorm: process_group does not include this rank "
                 f"(rank {dist.get_rank()}); every rank that runs this layer must be a member"
             )
-        if group is not None and dist.get_rank(group) < 0:
-            raise ValueError(
-                "SyncBatchNorm: process_group does not include this rank "
-                f"(rank {dist.get_rank()}); every rank that runs this layer must be a member"
+        world = _WORLD_SIZES[group] = dist.get_world_size(group)
+        return group, world
+
+    def _tensors(self):
+        """(weight, bias, running_mean, running_var, num_batches_tracked) from the module's own
+        dicts (nn.Module.__getattr__ is a Python call per name); by attribute where something
+        replaced one (torch.nn.utils.parametrize makes ``weight`` a property)."""
+        p, b = self._parameters, self._buffers
+        if "weight" in p and "bias" in p and "running_mean" in b and "running_var" in b:
+            return (
+                p["weight"],
+                p["bias"],
+                b["running_mean"],
+                b["running_var"],
+                b.get("num_batches_tracked"),
             )
-        return group, dist.get_world_size(group)
+        nbt = getattr(self, "num_batches_tracked", None)
+        return self.weight, self.bias, self.running_mean, self.running_var, nbt
 
     def forward(self, input, z=None):
         self._check_input_dim(input)
@@ -158,38 +186,32 @@ class SyncBatchNorm(_BatchNorm):
             raise TypeError(
                 f"SyncBatchNorm: input dtype {input.dtype} is not supported (float32, float16, bfloat16)"
             )
-        if not self.training and self.running_mean is not None:
-            return self._eval_forward(input, z, layout)
+        weight, bias, running_mean, running_var, nbt = self._tensors()
+        if not self.training and running_mean is not None:
+            return self._eval_forward(input, z, layout, weight, bias, running_mean, running_var)
         # The ops read (N, C, *) input in its own layout, contiguous or channels_last; apex's
         # (..., C) layout is flattened inside the Function (no autograd view nodes either way).
         flat = layout == "mc" and input.dim() > 2
         if not self.training:
             # No running statistics in eval: this rank's own batch statistics, no communication.
-            return SyncBatchnormFunction.apply(
-                input, z, self.weight, self.bias, None, None, self.eps, 0.0, None, 1,
-                self.fuse_relu, None, flat,
+            return _apply(
+                input, z, weight, bias, None, None, self.eps, 0.0, None, 1, self.fuse_relu, None,
+                flat,
             )  # fmt: skip
         group, world = self._group()
         # num_batches_tracked is incremented, and momentum=None's factor 1 / num_batches_tracked
         # taken, on the device by the forward op: no host sync, no extra launch.
-        track = self.track_running_stats and self.num_batches_tracked is not None
-        return SyncBatchnormFunction.apply(
-            input,
-            z,
-            self.weight,
-            self.bias,
-            self.running_mean,
-            self.running_var,
-            self.eps,
-            self.momentum if self.momentum is not None or track else 0.0,
-            group,
-            world,
-            self.fuse_relu,
-            self.num_batches_tracked if track else None,
-            flat,
-        )
+        if not self.track_running_stats:
+            nbt = None
+        momentum = self.momentum
+        if momentum is None and nbt is None:
+            momentum = 0.0
+        return _apply(
+            input, z, weight, bias, running_mean, running_var, self.eps, momentum, group, world,
+            self.fuse_relu, nbt, flat,
+        )  # fmt: skip
 
-    def _eval_forward(self, input, z, layout):
+    def _eval_forward(self, input, z, layout, weight, bias, running_mean, running_var):
         """Normalisation by the running estimates (differentiable, local): torch's batch_norm,
         which takes the canonical (N, C, L) and (M, C) layouts as they are."""
         c = self.num_features
@@ -198,7 +220,7 @@ class SyncBatchNorm(_BatchNorm):
         x = _to_canonical(input, layout, c)
         z = None if z is None else _to_canonical(z, layout, c)
         y = torch.nn.functional.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            x, running_mean, running_var, weight, bias, False, 0.0, self.eps
         )
         if z is not None:
             y = y + z

@@ -5,14 +5,19 @@ float32 buffer (so ranks may hold different batch sizes, or none); one all_gathe
 one op that merges the ranks, updates the running estimates and ``num_batches_tracked`` on the
 device (no host sync, also for ``momentum=None``) and normalises. Backward: one op for the local
 reductions, packed as ``[sum_dy, sum_dy_xmu]``; one all_reduce of that buffer; one op for the
-input gradient. With one rank the collectives are skipped and the same ops run.
+input gradient. With one rank there is nothing to exchange: one op per direction
+(``syncbn_forward`` takes the statistics itself, ``syncbn_backward_local`` reduces and computes
+the input gradient), the same kernels.
 
 The ops take ``(N, C, *)`` tensors as they come, contiguous or channels_last (the CUDA kernels
 read both in place); apex's ``channel_last`` layout ``(..., C)`` is flattened to ``(M, C)``
-here, inside the Function, so autograd sees no extra view nodes.
+here, inside the Function, so autograd sees no extra view nodes. Inside the Function the ops
+dispatch below the Autograd key (``_direct``): the Function is their autograd.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -29,11 +34,21 @@ _stats = _ops.syncbn_stats.default
 _forward = _ops.syncbn_forward.default
 _backward_reduce = _ops.syncbn_backward_reduce.default
 _backward = _ops.syncbn_backward.default
+_backward_local = _ops.syncbn_backward_local.default
 
 # torch.compile traces backward() too. Its dynamo reads ctx.needs_input_grad from torch 2.4 on
 # (pytorch#123700); torch 2.3's raises Unsupported on it, so there forward() records the same
 # tuple itself (needs_input_grad is each tensor input's requires_grad at apply()).
 _DYNAMO_READS_NEEDS_INPUT_GRAD = torch.torch_version.TorchVersion(torch.__version__) >= (2, 4)
+
+_is_compiling = torch.compiler.is_compiling
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _direct():
+    """The ops below the Autograd key (as apex-norm's Functions call theirs): its fallback would
+    only redispatch. Not while dynamo traces, which does not know that context."""
+    return contextlib.nullcontext() if _is_compiling() else _below_autograd()
 
 
 def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.Tensor:
@@ -78,11 +93,17 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 "SyncBatchNorm: expected more than 1 value per channel when training, got an "
                 f"input of shape {tuple(shape)}"
             )
-        stats = gather_stats(_stats(x), process_group, world_size)
-        out, saved = _forward(
-            x, stats, z, weight, bias, running_mean, running_var, num_batches_tracked,
-            eps, momentum, fuse_relu,
-        )  # fmt: skip
+        if world_size == 1:
+            stats = None  # syncbn_forward takes this rank's statistics itself
+        else:
+            with _direct():
+                stats = _stats(x)
+            stats = gather_stats(stats, process_group, world_size)
+        with _direct():
+            out, saved = _forward(
+                x, stats, z, weight, bias, running_mean, running_var, num_batches_tracked,
+                eps, momentum, fuse_relu,
+            )  # fmt: skip
         ctx.save_for_backward(x, weight, saved, out if fuse_relu else None)
         ctx.process_group = process_group
         ctx.world_size = world_size
@@ -102,14 +123,18 @@ class SyncBatchnormFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed
         need_input, need_z, need_weight, need_bias = needs[:4]
         grad_input = grad_weight = grad_bias = None
-        if need_input or (need_weight and weight is not None) or (need_bias and ctx.bias_dtype):
-            sums, grad_weight, grad_bias = _backward_reduce(dy, x, saved, weight, out)
+        if need_input and ctx.world_size == 1:
+            with _direct():
+                grad_input, grad_weight, grad_bias = _backward_local(dy, x, saved, weight, out)
+        elif need_input or (need_weight and weight is not None) or (need_bias and ctx.bias_dtype):
+            with _direct():
+                sums, grad_weight, grad_bias = _backward_reduce(dy, x, saved, weight, out)
             if need_input:
-                if ctx.world_size > 1:
-                    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.process_group)
-                grad_input = _backward(dy, x, saved, weight, sums, out)
-                if ctx.shape is not None:
-                    grad_input = grad_input.view(ctx.shape)
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.process_group)
+                with _direct():
+                    grad_input = _backward(dy, x, saved, weight, sums, out)
+        if grad_input is not None and ctx.shape is not None:
+            grad_input = grad_input.view(ctx.shape)
         grad_z = None
         if ctx.has_z and need_z:
             grad_z = dy if out is None else dy.masked_fill(out <= 0, 0)

@@ -154,7 +154,7 @@ def syncbn_stats(input: torch.Tensor) -> torch.Tensor:
 
 def syncbn_forward(
     input: torch.Tensor,
-    stats: torch.Tensor,
+    stats: torch.Tensor | None,
     z: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -167,8 +167,11 @@ def syncbn_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every rank's ``stats`` (``[W, 2C + 1]`` or flat), update the running estimates
     (``num_batches_tracked += 1``; factor ``momentum``, or ``1 / num_batches_tracked`` when
-    ``momentum`` is None), and normalise. Returns ``(out, saved)``."""
+    ``momentum`` is None), and normalise. Returns ``(out, saved)``. ``stats`` None: this
+    rank's own (``syncbn_stats(input)``), the whole world."""
     c = input.shape[1]
+    if stats is None:
+        stats = syncbn_stats(input)
     s = stats.reshape(-1, 2 * c + 1).float()
     counts = s[:, 2 * c]
     mean, var_u, inv_std = welford_parallel(s[:, :c], s[:, c : 2 * c], counts, eps)
@@ -227,3 +230,16 @@ def syncbn_backward(
     g = _relu_masked(grad_out, out) - _per_channel(mean_dy, input)
     g = g - xmu * _per_channel(inv * inv * mean_dy_xmu, input)
     return _like_input((g * _per_channel(scale, input)).to(input.dtype), input)
+
+
+def syncbn_backward_local(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    saved: torch.Tensor,
+    weight: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_input, grad_weight, grad_bias)`` of one rank alone: ``syncbn_backward_reduce``
+    then ``syncbn_backward`` on its sums."""
+    sums, grad_weight, grad_bias = syncbn_backward_reduce(grad_out, input, saved, weight, out)
+    return syncbn_backward(grad_out, input, saved, weight, sums, out), grad_weight, grad_bias

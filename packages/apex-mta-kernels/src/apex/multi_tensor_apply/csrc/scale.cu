@@ -1,6 +1,7 @@
 // multi_tensor_scale: outputs[i] = inputs[i] * scale; noop_flag = 1 if any input is not finite.
 #include "checks.h"
 #include "multi_tensor_apply.cuh"
+#include "scale.h"
 
 #include <torch/library.h>
 
@@ -75,10 +76,24 @@ struct ScaleFunctor {
 void multi_tensor_scale_cuda(at::TensorList inputs_, at::TensorList outputs_, const at::Tensor& noop_flag,
                              double scale) {
   const std::vector<at::Tensor> inputs = inputs_.vec(), outputs = outputs_.vec();
+  scale_launch(inputs, outputs, scale_groups(inputs, outputs, noop_flag), noop_flag, scale);
+}
+
+}  // namespace
+
+DtypeGroups scale_groups(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                         const at::Tensor& noop_flag) {
   const std::vector<ListArg> lists{{"inputs", &inputs}, {"outputs", &outputs}};
   check_lists("multi_tensor_scale", lists, noop_flag);
+  DtypeGroups groups;
+  for (auto& [dtypes, idx] : group_by_dtype(lists)) groups.emplace_back(dtypes, std::move(idx));
+  return groups;
+}
+
+void scale_launch(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                  const DtypeGroups& groups, const at::Tensor& noop_flag, double scale) {
   int* noop = noop_flag.data_ptr<int>();
-  for (const auto& group : group_by_dtype(lists)) {
+  for (const auto& group : groups) {
     // (no structured binding: a lambda capturing one is C++20, nvcc warns #3357-D)
     const auto& dtypes = group.first;
     const auto& idx = group.second;
@@ -90,7 +105,6 @@ void multi_tensor_scale_cuda(at::TensorList inputs_, at::TensorList outputs_, co
   }
 }
 
-}  // namespace
 }  // namespace apex_mta
 
 TORCH_LIBRARY_IMPL(apex_mta, CUDA, m) {

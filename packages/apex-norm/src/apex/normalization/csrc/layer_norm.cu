@@ -40,6 +40,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace apex_norm {
@@ -368,6 +369,7 @@ struct BwdArgs {
   float eps;
   int dyt, wt, dxt;
   bool mem_eff;
+  int stages;  // bwd_ring: rows in the shared-memory ring (2 to 4)
 };
 
 // x-hat of one element: from the input and the row's statistics, or (memory_efficient) from the
@@ -395,6 +397,77 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
   return (v - mu) * r;
 }
 
+// One row of the packed backward kernels (bwd_fast, bwd_ring) on the vectors a thread holds: the
+// row's two sums over its group, then grad_input written; acc(i, dy, x-hat) adds element i's
+// terms (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a
+// barrier inside); `live`: the row exists.
+template <typename Tx, int NV, bool RMS, bool ME, typename Acc>
+__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const Pack<Tx> (&xc)[NV],
+                                        const Pack<Tx> (&gc)[NV], float muc, float rc,
+                                        int64_t row, bool live, Acc&& acc) {
+  const int64_t nvec = a.H / kVec;
+  const float inv_h = 1.f / static_cast<float>(a.H);
+  const bool has_b = !RMS && ME && a.b;
+  float sg = 0.f, sgx = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+    if (live && j < nvec) {
+      float w[kVec], b[kVec];
+      if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
+      if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+                                      has_b ? b[e] : 0.f);
+        const float dy = elem(gc[k], e);
+        const float g = a.w ? dy * w[e] : dy;
+        sg += g;
+        sgx = fmaf(g, xv, sgx);
+        acc(k * kVec + e, dy, xv);
+      }
+    }
+  }
+  const float2 t = gsum(sg, sgx);
+  const float mg = RMS ? 0.f : t.x * inv_h;
+  const float mgx = t.y * inv_h;
+  if (!live) return;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+    if (j < nvec) {
+      float w[kVec], b[kVec], o[kVec];
+      if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
+      if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+                                      has_b ? b[e] : 0.f);
+        const float dy = elem(gc[k], e);
+        const float g = a.w ? dy * w[e] : dy;
+        o[e] = rc * (g - mg - xv * mgx);
+      }
+      store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
+    }
+  }
+}
+
+// Row group `group`'s partial weight (and, with_b, bias) gradient sums for its vector j. (Arrays
+// by reference and a flag, not pointers: a pointer picked at run time would put them in local
+// memory.)
+__device__ __forceinline__ void store_partials(const BwdArgs& a, int64_t group, int64_t j,
+                                               const float (&w)[kVec], const float (&b)[kVec],
+                                               bool with_b) {
+  float4* pw = reinterpret_cast<float4*>(a.part_w + group * a.H + j * kVec);
+  pw[0] = make_float4(w[0], w[1], w[2], w[3]);
+  pw[1] = make_float4(w[4], w[5], w[6], w[7]);
+  if (with_b) {
+    float4* pb = reinterpret_cast<float4*>(a.part_b + group * a.H + j * kVec);
+    pb[0] = make_float4(b[0], b[1], b[2], b[3]);
+    pb[1] = make_float4(b[4], b[5], b[6], b[7]);
+  }
+}
+
 // The fast backward: grad_output in the input's dtype, both kept packed; with PF the next row's
 // input, grad_output and statistics are loaded while this row is reduced and written. The weight
 // and bias gradient sums live in shared memory (dynamic: NV * 8 floats per thread for each, laid
@@ -406,8 +479,6 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
   extern __shared__ float acc[];  // [RMS ? 1 : 2][NV * kVec][threads], when part_w is set
   GroupSum gsum{slots, 0};
   const int64_t nvec = a.H / kVec;
-  const float inv_h = 1.f / static_cast<float>(a.H);
-  const bool has_b = !RMS && ME && a.b;
   const bool need_mu = !RMS && !ME;
   const bool sums = a.part_w != nullptr;
   const int nthreads = blockDim.x * blockDim.y;
@@ -469,53 +540,13 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
         }
       }
     }
-    float sg = 0.f, sgx = 0.f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-      if (live && j < nvec) {
-        float w[kVec], b[kVec];
-        if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-        if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
-                                        has_b ? b[e] : 0.f);
-          const float dy = elem(gc[k], e);
-          const float g = a.w ? dy * w[e] : dy;
-          sg += g;
-          sgx = fmaf(g, xv, sgx);
-          if (sums) {
-            float* pw = acc_w + (k * kVec + e) * nthreads;
-            *pw = fmaf(dy, xv, *pw);
-            if (!RMS && a.part_b) acc_b[(k * kVec + e) * nthreads] += dy;
-          }
-        }
+    bwd_row<Tx, NV, RMS, ME>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+      if (sums) {
+        float* pw = acc_w + i * nthreads;
+        *pw = fmaf(dy, xv, *pw);
+        if (!RMS && a.part_b) acc_b[i * nthreads] += dy;
       }
-    }
-    const float2 t = gsum(sg, sgx);
-    const float mg = RMS ? 0.f : t.x * inv_h;
-    const float mgx = t.y * inv_h;
-    if (live) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-        if (j < nvec) {
-          float w[kVec], b[kVec], o[kVec];
-          if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-          if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
-                                          has_b ? b[e] : 0.f);
-            const float dy = elem(gc[k], e);
-            const float g = a.w ? dy * w[e] : dy;
-            o[e] = rc * (g - mg - xv * mgx);
-          }
-          store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
-        }
-      }
-    }
+    });
     if (PF) {
 #pragma unroll
       for (int k = 0; k < NN; ++k) {
@@ -538,14 +569,7 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
         w[e] = acc_w[(k * kVec + e) * nthreads];
         if (!RMS && a.part_b) b[e] = acc_b[(k * kVec + e) * nthreads];
       }
-      float4* pw = reinterpret_cast<float4*>(a.part_w + group * a.H + j * kVec);
-      pw[0] = make_float4(w[0], w[1], w[2], w[3]);
-      pw[1] = make_float4(w[4], w[5], w[6], w[7]);
-      if (!RMS && a.part_b) {
-        float4* pb = reinterpret_cast<float4*>(a.part_b + group * a.H + j * kVec);
-        pb[0] = make_float4(b[0], b[1], b[2], b[3]);
-        pb[1] = make_float4(b[4], b[5], b[6], b[7]);
-      }
+      store_partials(a, group, j, w, b, !RMS && a.part_b);
     }
   }
 }
@@ -554,6 +578,158 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
 size_t bwd_fast_smem(int nv, int threads, bool want_w, bool want_b) {
   const int arrays = (want_w || want_b ? 1 : 0) + (want_b ? 1 : 0);
   return size_t(arrays) * nv * kVec * threads * sizeof(float);
+}
+
+// -- the ring backward: rows in flight through shared memory ---------------------------------
+//
+// bwd_fast holds the next row in registers, so a row group has one row in flight and the
+// registers (97 for bf16 at 2 vectors a thread) cap the blocks per SM at two: on an H200 the
+// bf16 backward moved ~49 % of the copy rate, about the time of the float32 one for half the
+// bytes (a fixed cost per row, not bandwidth). bwd_ring copies rows ahead with cp.async into a
+// ring of S stages in shared memory (each thread copies, and later reads, only its own 16-byte
+// chunks, so no barrier guards the ring), leaving S - 1 rows in flight per row group whatever
+// the registers. The weight/bias sums live in registers (at most 32 floats a thread: RMSNorm up
+// to 4 vectors a thread, LayerNorm up to 2); in shared memory, as bwd_fast keeps them, they
+// measured slower (LayerNorm bf16 H=4096 fwd+bwd 51.3 % of copy against 63.2 %), so the cases
+// that would need it take bwd_fast.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+#else
+  *static_cast<float*>(smem) = *static_cast<const float*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most n (0 to 3) of this thread's committed groups are still in flight.
+__device__ __forceinline__ void cp_async_wait(int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  switch (n) {
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::); break;
+    default: asm volatile("cp.async.wait_group 0;\n" ::); break;
+  }
+#endif
+}
+
+// The ring's layout in dynamic shared memory, after the weight/bias sums (when those live there):
+// data [S][2 (input, grad_output)][NV * C][threads] of 16 bytes (C = 16-byte chunks per vector),
+// then statistics [S][2 (rstd, mean)][threads] floats.
+template <typename Tx>
+__host__ __device__ constexpr int chunks_of() {
+  return int(sizeof(Pack<Tx>) / 16);
+}
+
+// Whether bwd_ring's sums fit its registers: at most 32 floats a thread.
+__host__ __device__ constexpr bool ring_fits(int nv, bool rms) { return nv * kVec * (rms ? 1 : 2) <= 32; }
+
+template <typename Tx, int NV, bool RMS, bool ME>
+__global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
+  static_assert(ring_fits(NV, RMS), "bwd_ring keeps its sums in registers");
+  const int S = a.stages;  // 2 to 4
+  constexpr int C = chunks_of<Tx>();
+  __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
+  extern __shared__ __align__(16) float dyn[];
+  GroupSum gsum{slots, 0};
+  const int64_t nvec = a.H / kVec;
+  const bool need_mu = !RMS && !ME;
+  const bool sums = a.part_w != nullptr;
+  const bool sum_b = !RMS && a.part_b != nullptr;
+  const int nthreads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  uint4* ring = reinterpret_cast<uint4*>(dyn);
+  float* stat = reinterpret_cast<float*>(ring + size_t(S) * 2 * NV * C * nthreads);
+  float acc_w[NV * kVec], acc_b[RMS ? 1 : NV * kVec];
+#pragma unroll
+  for (int i = 0; i < NV * kVec; ++i) {
+    acc_w[i] = 0.f;
+    if (!RMS) acc_b[i] = 0.f;
+  }
+  const int64_t G = int64_t(gridDim.x) * blockDim.y;
+  const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
+  const char* xy = static_cast<const char*>(a.xy);
+  const char* dyp = static_cast<const char*>(a.dy);
+  // Issue the copies of row r into stage s (an empty group past the end keeps the count).
+  auto issue = [&](int64_t r, int s) {
+    if (r < a.rows) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          const int64_t off = (r * a.H + j * kVec) * int64_t(sizeof(Tx));
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            cp_async16(ring + ((size_t(s) * 2 + 0) * NV * C + k * C + c) * nthreads + tid, xy + off + 16 * c);
+            cp_async16(ring + ((size_t(s) * 2 + 1) * NV * C + k * C + c) * nthreads + tid, dyp + off + 16 * c);
+          }
+        }
+      }
+      cp_async4(stat + (s * 2 + 0) * nthreads + tid, a.rstd + r);
+      if (need_mu) cp_async4(stat + (s * 2 + 1) * nthreads + tid, a.mean + r);
+    }
+    cp_async_commit();
+  };
+  for (int s = 0; s < S - 1; ++s) issue(group + s * G, s);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = group + it * G;
+    const bool live = row < a.rows;
+    issue(row + (S - 1) * G, int((it + S - 1) % S));
+    cp_async_wait(S - 1);  // this row's group has landed
+    const int s = int(it % S);
+    Pack<Tx> xc[NV], gc[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        reinterpret_cast<uint4*>(&xc[k])[c] = ring[((size_t(s) * 2 + 0) * NV * C + k * C + c) * nthreads + tid];
+        reinterpret_cast<uint4*>(&gc[k])[c] = ring[((size_t(s) * 2 + 1) * NV * C + k * C + c) * nthreads + tid];
+      }
+    }
+    const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
+    const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
+    bwd_row<Tx, NV, RMS, ME>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+      acc_w[i] = fmaf(dy, xv, acc_w[i]);
+      if (!RMS) acc_b[i] += dy;
+    });
+  }
+  cp_async_wait(0);  // nothing may be in flight when the block exits
+  if (!sums) return;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+    if (j < nvec) {
+      float w[kVec], b[kVec];  // copied out by constant indices: the sums stay in registers
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        w[e] = acc_w[k * kVec + e];
+        b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
+      }
+      store_partials(a, group, j, w, b, sum_b);
+    }
+  }
+}
+
+// Dynamic shared memory of bwd_ring: the ring of S rows and their statistics.
+size_t bwd_ring_smem(int S, int nv, int chunks, int threads) {
+  return size_t(S) * 2 * nv * chunks * threads * 16 + size_t(S) * 2 * threads * 4;
 }
 
 template <typename Tx, int NV, bool RMS>
@@ -725,13 +901,24 @@ int dt_of(const char* op, const char* name, const at::Tensor& t) {
   return kF32;
 }
 
-int sm_count(int device) {
+// A device attribute, asked once per device.
+template <cudaDeviceAttr A>
+int device_attr(int device) {
   static int cached[64] = {0};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, A, device));
   if (device >= 0 && device < 64) cached[device] = n;
   return n;
+}
+
+int sm_count(int device) { return device_attr<cudaDevAttrMultiProcessorCount>(device); }
+
+// The most dynamic shared memory a block of these kernels may ask for: the device's opt-in limit
+// less the largest static slots (fwd_fast's).
+size_t max_dyn_smem(int device) {
+  return size_t(device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device)) -
+         sizeof(float4) * 2 * kMaxTY * kMaxWarps;
 }
 
 bool vec_aligned(const at::Tensor& t) {
@@ -759,21 +946,27 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
   return {tx, std::max(1, 256 / tx), 0};
 }
 
-// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_pt16=4,bwd_pt16=2,fwd_waves=0,
-// bwd_waves=1", read once) overrides them for tuning sweeps: *_pt vectors per thread (*_pt16 for
-// 16-bit input), *_waves the persistent grid in
-// multiples of what fits at once (0: one row group per block row, no persistence). Measured on an
+// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_pt16=8,bwd_pt16=2,fwd_waves=0,
+// bwd_waves=1,bwd_ring=2", read once) overrides them for tuning sweeps: *_pt vectors per thread
+// (*_pt16 for 16-bit input), *_waves the persistent grid in multiples of what fits at once (0: one
+// row group per block row, no persistence), bwd_ring the 16-bit backward's ring stages (see
+// bwd_ring). Measured on an
 // H200 (2026-12-03, [32768, H], scripts/norm_sweep.sh): the forward without persistence and with
 // 128 bytes of a row per thread (8 vectors of bf16, 4 of float32) is fastest: RMSNorm bf16
 // H=4096 148 us against 199 us persistent and 221 us with 4 bf16 vectors; float32 96 % of copy.
 // The backward needs the persistent grid for its weight-gradient sums; 2 vectors per thread beat
-// 1 and 4 for bf16 at H = 1024, 4096, 16384.
+// 1 and 4 for bf16 at H = 1024, 4096, 16384. The 16-bit backward through the ring (12-03 13:45): RMSNorm bf16
+// fwd+bwd 60.6 / 80.6 / 82.8 % of copy at H = 1024 / 4096 / 16384 with 2 stages (3 and 4 the same
+// or slower), against 47.7 / 56.9 / 42.9 % for bwd_fast.
 struct Tune {
   int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
   int fwd_pt16 = 8, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
+  int bwd_ring = 2;  // rows in bwd_ring's shared-memory ring (2 to 4); 0: bwd_vec instead
 };
 
-int key_min(const std::string& key) { return key.find("waves") != std::string::npos ? 0 : 1; }
+int key_min(const std::string& key) {
+  return key.find("waves") != std::string::npos || key == "bwd_ring" ? 0 : 1;
+}
 
 const Tune& tune() {
   static const Tune t = [] {
@@ -796,6 +989,7 @@ const Tune& tune() {
         if (key == "bwd_waves") v.bwd_waves = val;
         if (key == "fwd_pt16") v.fwd_pt16 = val;
         if (key == "bwd_pt16") v.bwd_pt16 = val;
+        if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
       }
       pos = end + 1;
     }
@@ -815,10 +1009,8 @@ int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device
   int per_sm = 0;
   const std::lock_guard<std::mutex> lock(mu);
   if (smem > 48 * 1024 && std::find(opted.begin(), opted.end(), kernel) == opted.end()) {
-    int max_optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        max_optin - int(sizeof(float4)) * 2 * kMaxTY * kMaxWarps));
+                                        int(max_dyn_smem(device))));
     opted.push_back(kernel);
   }
   for (const auto& [k, t, m, n] : seen) {
@@ -831,6 +1023,9 @@ int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device
   }
   return int64_t(per_sm) * sm_count(device);
 }
+
+// The ring's cap on its shared memory: two blocks per SM on sm_90.
+constexpr size_t kRingSmemCap = 112 * 1024;
 
 template <typename F>
 void dispatch_x(at::ScalarType st, F&& f) {
@@ -994,7 +1189,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   dispatch_x(xy.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
     if (c.nv > 0) {
-      const size_t smem = bwd_fast_smem(c.nv, c.tx * c.ty, want_w, want_b && !RMS);
+      const int threads = c.tx * c.ty;
+      // 16-bit input with grad_output of its dtype takes bwd_ring where its sums fit the
+      // registers (APEX_NORM_TUNE bwd_ring: its stages, fewer where the ring would cap the
+      // blocks at one per SM; 0: bwd_vec). float32 takes bwd_fast: the ring measured slower
+      // there (RMSNorm H=4096 fwd+bwd 66.7 % of copy against 87.4 %).
+      const int chunks = int(sizeof(Pack<Tx>) / 16);
+      int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;
+      auto ring_smem = [&](int S) { return bwd_ring_smem(S, c.nv, chunks, threads); };
+      while (stages > 2 && ring_smem(stages) > kRingSmemCap) --stages;
+      if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
+      a.stages = stages;
+      const bool ring = stages >= 2;
+      const size_t smem = ring ? ring_smem(stages) : bwd_fast_smem(c.nv, threads, want_w, want_b && !RMS);
       auto launch = [&](auto kernel, bool fast) {
         // A persistent grid: at most what fits on the GPU at once. With weight gradients each
         // row group also sums at least ~32 rows, so the float32 partials (written and read
@@ -1020,22 +1227,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         }
         kernel<<<dim3(static_cast<unsigned>(blocks)), block, fast ? smem : 0, stream>>>(a);
       };
-      // Prefetch where two rows of input and grad_output fit: 16 bytes of each per thread.
-      auto pick_me = [&](auto k_me, auto k_plain, auto k_vec) {
-        if (!packed) return launch(k_vec, false);
-        return memory_efficient ? launch(k_me, true) : launch(k_plain, true);
+      // One of three kernels, each instantiated only where it can be picked: bwd_ring for 16-bit
+      // input where its sums fit the registers; bwd_fast (the next row prefetched into registers
+      // where two rows fit: 16 bytes of each per thread) for the other packed cases; bwd_vec
+      // (no packing, a block per row groups) where grad_output has another dtype, or where the
+      // ring does not fit the device's shared memory (GPUs with ~100 KB a block) or is off.
+      auto pick = [&](auto nv_tag) {
+        constexpr int NV = decltype(nv_tag)::value;
+        constexpr bool kRing = sizeof(Tx) == 2 && ring_fits(NV, RMS);
+        if (!packed || (kRing && !ring)) return launch(bwd_vec<Tx, NV, RMS>, false);
+        if constexpr (kRing) {
+          launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
+        } else {
+          constexpr bool PF = NV < 4 || sizeof(Tx) == 2;
+          launch(memory_efficient ? bwd_fast<Tx, NV, RMS, PF, true> : bwd_fast<Tx, NV, RMS, PF, false>,
+                 true);
+        }
       };
       switch (c.nv) {
-        case 1:
-          pick_me(bwd_fast<Tx, 1, RMS, true, true>, bwd_fast<Tx, 1, RMS, true, false>, bwd_vec<Tx, 1, RMS>);
-          break;
-        case 2:
-          pick_me(bwd_fast<Tx, 2, RMS, true, true>, bwd_fast<Tx, 2, RMS, true, false>, bwd_vec<Tx, 2, RMS>);
-          break;
-        default:
-          pick_me(bwd_fast<Tx, 4, RMS, sizeof(Tx) == 2, true>, bwd_fast<Tx, 4, RMS, sizeof(Tx) == 2, false>,
-                  bwd_vec<Tx, 4, RMS>);
-          break;
+        case 1: pick(std::integral_constant<int, 1>{}); break;
+        case 2: pick(std::integral_constant<int, 2>{}); break;
+        default: pick(std::integral_constant<int, 4>{}); break;
       }
     } else {
       const dim3 grid(static_cast<unsigned>((rows + c.ty - 1) / c.ty));

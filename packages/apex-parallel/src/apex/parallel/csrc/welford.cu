@@ -18,8 +18,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace apex_parallel {
 namespace {
@@ -740,12 +743,45 @@ void check_opt(const char* op, const char* name, const std::optional<at::Tensor>
   if (t.has_value()) check_vec(op, name, *t, input, false);
 }
 
+// `s` splits, within [1, max_splits] and the grid's y limit.
+int clamp_splits(int64_t s, int64_t max_splits) {
+  s = std::min<int64_t>(std::max<int64_t>(s, 1), std::max<int64_t>(max_splits, 1));
+  return static_cast<int>(std::min<int64_t>(s, 65535));
+}
+
 // Splits of the reduction dimension: enough blocks to fill the device a few times over.
 int splits(int64_t blocks_per_split, int64_t max_splits) {
   const int64_t target = static_cast<int64_t>(sm_count()) * 8;
-  int64_t s = (target + blocks_per_split - 1) / std::max<int64_t>(blocks_per_split, 1);
-  s = std::min<int64_t>(std::max<int64_t>(s, 1), std::max<int64_t>(max_splits, 1));
-  return static_cast<int>(std::min<int64_t>(s, 65535));
+  return clamp_splits((target + blocks_per_split - 1) / std::max<int64_t>(blocks_per_split, 1), max_splits);
+}
+
+template <typename K>
+const void* kaddr(K* kernel) {
+  return reinterpret_cast<const void*>(kernel);
+}
+
+// Blocks of `kernel` (`threads` threads, static shared memory only) that the whole device
+// holds at once, looked up once per kernel and device.
+int resident_blocks(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  int& n = cache[{kernel, dev}];
+  if (n == 0) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    n = std::max(per_sm, 1) * sm_count();
+  }
+  return n;
+}
+
+// Splits of the channels-last reductions: gx * S blocks in one wave, so that every block runs
+// from the start and the grid sweeps the rows front to back together (a second, partial wave
+// would idle SMs and leave the tensor's end only partly in L2 for the reversed pass after).
+int one_wave_splits(const void* kernel, int64_t gx, int64_t max_splits) {
+  return clamp_splits(resident_blocks(kernel, kThreads) / std::max<int64_t>(gx, 1), max_splits);
 }
 
 template <typename T>
@@ -788,7 +824,8 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input
       const int64_t M = input.size(0);
       const bool vec = C % V == 0 && aligned16(x);
       const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
-      S = splits(gx, (M + kRowsMC - 1) / kRowsMC);
+      S = one_wave_splits(vec ? kaddr(stats_mc_kernel<T, V>) : kaddr(stats_mc_kernel<T, 1>), gx,
+                          (M + kRowsMC - 1) / kRowsMC);
       ws = at::empty({S, C, 3}, fopts);
       const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
       if (vec) {
@@ -830,9 +867,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> welford_parallel_cuda(const at::T
   return {m, v, inv};
 }
 
-unsigned elementwise_blocks(int64_t numel, int vec) {
+// Blocks of an elementwise pass (grid-stride, walking the tensor from its end): at most one
+// wave, so that every thread starts at the end together and the whole grid sweeps back to the
+// front once (with more blocks than fit, each later wave would sweep the tensor again, from an
+// end long gone from L2).
+unsigned elementwise_blocks(int64_t numel, int vec, const void* kernel) {
   const int64_t needed = (numel / vec + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sm_count()) * 16;
+  const int64_t cap = resident_blocks(kernel, kThreads);
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, cap)));
 }
 
@@ -863,13 +904,21 @@ at::Tensor batchnorm_forward_cuda(const at::Tensor& input, const at::Tensor& mea
     T* y = out.data_ptr<T>();
     const bool vec = (ncl ? L % V == 0 : C % V == 0) && aligned16(x) && aligned16(zp) && aligned16(y);
     if (vec) {
-      const unsigned blocks = elementwise_blocks(numel, V);
-      if (ncl) forward_kernel<T, V, true><<<blocks, kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
-      else forward_kernel<T, V, false><<<blocks, kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      if (ncl) {
+        auto* k = forward_kernel<T, V, true>;
+        k<<<elementwise_blocks(numel, V, kaddr(k)), kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      } else {
+        auto* k = forward_kernel<T, V, false>;
+        k<<<elementwise_blocks(numel, V, kaddr(k)), kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      }
     } else {
-      const unsigned blocks = elementwise_blocks(numel, 1);
-      if (ncl) forward_kernel<T, 1, true><<<blocks, kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
-      else forward_kernel<T, 1, false><<<blocks, kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      if (ncl) {
+        auto* k = forward_kernel<T, 1, true>;
+        k<<<elementwise_blocks(numel, 1, kaddr(k)), kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      } else {
+        auto* k = forward_kernel<T, 1, false>;
+        k<<<elementwise_blocks(numel, 1, kaddr(k)), kThreads, 0, stream>>>(x, zp, y, p, numel, C, L, fuse_relu);
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -919,7 +968,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batchnorm_backward_re
       const int64_t M = input.size(0);
       const bool vec = C % V == 0 && aligned16(x) && aligned16(g);
       const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
-      S = splits(gx, (M + kRowsMC - 1) / kRowsMC);
+      S = one_wave_splits(vec ? kaddr(reduce_mc_kernel<T, V>) : kaddr(reduce_mc_kernel<T, 1>), gx,
+                          (M + kRowsMC - 1) / kRowsMC);
       ws = at::empty({S, C, 2}, fopts);
       const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
       if (vec) {
@@ -972,13 +1022,21 @@ at::Tensor batchnorm_backward_cuda(const at::Tensor& grad_out, const at::Tensor&
     T* dx = out.data_ptr<T>();
     const bool vec = (ncl ? L % V == 0 : C % V == 0) && aligned16(x) && aligned16(g) && aligned16(dx);
     if (vec) {
-      const unsigned blocks = elementwise_blocks(numel, V);
-      if (ncl) backward_kernel<T, V, true><<<blocks, kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
-      else backward_kernel<T, V, false><<<blocks, kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      if (ncl) {
+        auto* k = backward_kernel<T, V, true>;
+        k<<<elementwise_blocks(numel, V, kaddr(k)), kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      } else {
+        auto* k = backward_kernel<T, V, false>;
+        k<<<elementwise_blocks(numel, V, kaddr(k)), kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      }
     } else {
-      const unsigned blocks = elementwise_blocks(numel, 1);
-      if (ncl) backward_kernel<T, 1, true><<<blocks, kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
-      else backward_kernel<T, 1, false><<<blocks, kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      if (ncl) {
+        auto* k = backward_kernel<T, 1, true>;
+        k<<<elementwise_blocks(numel, 1, kaddr(k)), kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      } else {
+        auto* k = backward_kernel<T, 1, false>;
+        k<<<elementwise_blocks(numel, 1, kaddr(k)), kThreads, 0, stream>>>(g, x, dx, p, sd, sdx, cnt, K, numel, C, L);
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -1095,7 +1153,8 @@ void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* ou
     } else {
       const bool vec = C % V == 0 && aligned16(xp);
       const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
-      S = splits(gx, (d.N + kRowsMC - 1) / kRowsMC);
+      S = one_wave_splits(vec ? kaddr(stats_mc_kernel<T, V>) : kaddr(stats_mc_kernel<T, 1>), gx,
+                          (d.N + kRowsMC - 1) / kRowsMC);
       ws = at::empty({S, C, 3}, fopts);
       const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
       if (vec) stats_mc_kernel<T, V><<<grid, block, 0, stream>>>(xp, d.N, C, S, ws.data_ptr<float>());
@@ -1108,66 +1167,71 @@ void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* ou
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor syncbn_stats_cuda(const at::Tensor& input) {
-  constexpr const char* op = "syncbn_stats";
-  check_input_nd(op, input);
-  const c10::cuda::CUDAGuard guard(input.device());
-  bool ncl = false;
-  const at::Tensor x = readable(input, ncl);
-  const Dims d = dims_of(x, ncl);
-  at::Tensor out = at::empty({2 * d.C + 1}, x.options().dtype(at::kFloat));
+// The packed [mean | var | count] of x (in layout `ncl`); zeros for an empty x.
+at::Tensor packed_stats(const at::Tensor& x, bool ncl, cudaStream_t stream) {
+  at::Tensor out = at::empty({2 * x.size(1) + 1}, x.options().dtype(at::kFloat));
   if (x.numel() == 0) return out.zero_();
-  launch_stats_packed(x, ncl, d, out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  launch_stats_packed(x, ncl, dims_of(x, ncl), out.data_ptr<float>(), stream);
   return out;
 }
 
-// Blocks of an elementwise pass; *fixed: the grid stride is a multiple of C (channels last).
-unsigned fused_blocks(int64_t numel, int vec, int64_t C, bool mc, bool* fixed) {
-  int64_t blocks = elementwise_blocks(numel, vec);
-  *fixed = false;
-  if (mc && C > 0) {
-    const int64_t per = static_cast<int64_t>(kThreads) * vec;
-    int64_t a = C, b = per;
-    while (b) {
-      const int64_t t = a % b;
-      a = b;
-      b = t;
-    }
-    const int64_t g = C / a;  // blocks must be a multiple of g
-    if (g <= blocks) {
-      blocks = blocks / g * g;
-      *fixed = true;
-    }
+at::Tensor syncbn_stats_cuda(const at::Tensor& input) {
+  check_input_nd("syncbn_stats", input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  return packed_stats(x, ncl, c10::cuda::getCurrentCUDAStream());
+}
+
+// Channels last: the grid stride, blocks * kThreads * vec elements, is a multiple of C (so each
+// thread's channels never change, MODE 2) when blocks is a multiple of this.
+int64_t fixed_channels_multiple(int64_t C, int vec) {
+  int64_t a = C, b = static_cast<int64_t>(kThreads) * vec;
+  while (b) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
   }
-  return static_cast<unsigned>(blocks);
+  return C / a;
+}
+
+template <typename T, int VV, bool BACKWARD>
+void launch_fused_vec(const T* a_in, const T* x, const T* z, const T* relu, bool relu_fwd, T* out,
+                      const FusedParams& p, int64_t numel, bool ncl, int64_t L, cudaStream_t stream) {
+  auto launch = [&](auto* kernel, int64_t blocks) {
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a_in, x, z, relu, relu_fwd, out, p, numel, L);
+  };
+  if (ncl) {
+    auto* k = fused_elementwise_kernel<T, VV, 0, BACKWARD>;
+    launch(k, elementwise_blocks(numel, VV, kaddr(k)));
+    return;
+  }
+  auto* k2 = fused_elementwise_kernel<T, VV, 2, BACKWARD>;
+  const int64_t blocks = elementwise_blocks(numel, VV, kaddr(k2));
+  const int64_t g = fixed_channels_multiple(p.C, VV);
+  if (g <= blocks) {
+    launch(k2, blocks / g * g);
+  } else {
+    auto* k1 = fused_elementwise_kernel<T, VV, 1, BACKWARD>;
+    launch(k1, elementwise_blocks(numel, VV, kaddr(k1)));
+  }
 }
 
 template <typename T, bool BACKWARD>
 void launch_fused_elementwise(const T* a_in, const T* x, const T* z, const T* relu, bool relu_fwd, T* out,
                               const FusedParams& p, int64_t numel, bool ncl, int64_t L, cudaStream_t stream) {
   constexpr int V = vec_of<T>();
-  const int64_t C = p.C;
   const bool al = aligned16(a_in) && aligned16(x) && aligned16(z) && aligned16(relu) && aligned16(out);
-  const bool vec = al && (ncl ? L % V == 0 : C % V == 0);
-  bool fixed = false;
-  const unsigned blocks = fused_blocks(numel, vec ? V : 1, C, !ncl, &fixed);
-#define APEX_FUSED_LAUNCH(VV, MODE) \
-  fused_elementwise_kernel<T, VV, MODE, BACKWARD><<<blocks, kThreads, 0, stream>>>(a_in, x, z, relu, relu_fwd, out, p, numel, L)
-  if (vec) {
-    if (ncl) APEX_FUSED_LAUNCH(V, 0);
-    else if (fixed) APEX_FUSED_LAUNCH(V, 2);
-    else APEX_FUSED_LAUNCH(V, 1);
+  if (al && (ncl ? L % V == 0 : p.C % V == 0)) {
+    launch_fused_vec<T, V, BACKWARD>(a_in, x, z, relu, relu_fwd, out, p, numel, ncl, L, stream);
   } else {
-    if (ncl) APEX_FUSED_LAUNCH(1, 0);
-    else if (fixed) APEX_FUSED_LAUNCH(1, 2);
-    else APEX_FUSED_LAUNCH(1, 1);
+    launch_fused_vec<T, 1, BACKWARD>(a_in, x, z, relu, relu_fwd, out, p, numel, ncl, L, stream);
   }
-#undef APEX_FUSED_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
-    const at::Tensor& input, const at::Tensor& stats, const std::optional<at::Tensor>& z,
+    const at::Tensor& input, const std::optional<at::Tensor>& stats_opt, const std::optional<at::Tensor>& z,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
     const std::optional<at::Tensor>& num_batches_tracked, double eps, std::optional<double> momentum,
@@ -1175,7 +1239,7 @@ std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
   constexpr const char* op = "syncbn_forward";
   check_input_nd(op, input);
   const int64_t C = input.size(1);
-  check_packed(op, "stats", stats, input, 2 * C + 1, false);
+  if (stats_opt.has_value()) check_packed(op, "stats", *stats_opt, input, 2 * C + 1, false);
   if (z.has_value()) check_cuda_float(op, "z", *z, input);
   check_opt(op, "weight", weight, input);
   check_opt(op, "bias", bias, input);
@@ -1194,6 +1258,8 @@ std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
   at::Tensor result, out;
   std::tie(result, out) = output_for(input, x, ncl);
   if (C == 0) return {result, saved.zero_()};
+  // No stats given: this rank alone, whose statistics are taken here (syncbn_stats's launches).
+  const at::Tensor stats = stats_opt.has_value() ? *stats_opt : packed_stats(x, ncl, stream);
   const int64_t W = stats.numel() / (2 * C + 1);
   const bool has_nbt = num_batches_tracked.has_value();
   const bool has_m = momentum.has_value();
@@ -1219,22 +1285,14 @@ std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
   return {result, saved};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_reduce_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& relu_out) {
-  constexpr const char* op = "syncbn_backward_reduce";
-  check_input_nd(op, input);
-  const int64_t C = input.size(1);
-  check_cuda_float(op, "grad_out", grad_out, input);
-  check_packed(op, "saved", saved, input, 2 * C + 1, true);
-  check_opt(op, "weight", weight, input);
-  if (relu_out.has_value()) check_cuda_float(op, "relu_out", *relu_out, input);
-  const c10::cuda::CUDAGuard guard(input.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  bool ncl = false;
-  const at::Tensor x = readable(input, ncl);
-  const at::Tensor dy = in_layout(grad_out, x, ncl);
-  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+// The backward reduction of x (in layout `ncl`) and dy, relu_out in the same layout: sums
+// [sum_dy | sum_dy_xmu] and this rank's parameter gradients in the weight's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_backward_reduce(const at::Tensor& dy, const at::Tensor& x,
+                                                                      const at::Tensor& ro, bool ncl,
+                                                                      const at::Tensor& saved,
+                                                                      const std::optional<at::Tensor>& weight,
+                                                                      cudaStream_t stream) {
+  const int64_t C = x.size(1);
   auto fopts = x.options().dtype(at::kFloat);
   const auto pdtype = weight.has_value() ? weight->scalar_type() : at::kFloat;
   at::Tensor sums = at::empty({2 * C}, fopts);
@@ -1264,7 +1322,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_reduce_cuda(
     } else {
       const bool vec = C % V == 0 && aligned16(xp) && aligned16(g) && aligned16(r);
       const int64_t gx = (C + 32 * (vec ? V : 1) - 1) / (32 * (vec ? V : 1));
-      S = splits(gx, (d.N + kRowsMC - 1) / kRowsMC);
+      const int64_t rows = (d.N + kRowsMC - 1) / kRowsMC;
+      S = one_wave_splits(vec ? kaddr(reduce_mc_kernel<T, V>) : kaddr(reduce_mc_kernel<T, 1>), gx, rows);
       ws = at::empty({S, C, 2}, fopts);
       const dim3 grid(static_cast<unsigned>(gx), S), block(32, kRowsMC);
       float* w = ws.data_ptr<float>();
@@ -1282,27 +1341,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_reduce_cuda(
   return {sums, gw, gb};
 }
 
-at::Tensor syncbn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
-                                const std::optional<at::Tensor>& weight, const at::Tensor& sums,
-                                const std::optional<at::Tensor>& relu_out) {
-  constexpr const char* op = "syncbn_backward";
-  check_input_nd(op, input);
-  const int64_t C = input.size(1);
-  check_cuda_float(op, "grad_out", grad_out, input);
-  check_packed(op, "saved", saved, input, 2 * C + 1, true);
-  check_packed(op, "sums", sums, input, 2 * C, true);
-  check_opt(op, "weight", weight, input);
-  if (relu_out.has_value()) check_cuda_float(op, "relu_out", *relu_out, input);
-  const c10::cuda::CUDAGuard guard(input.device());
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  bool ncl = false;
-  const at::Tensor x = readable(input, ncl);
+// The input gradient (empty_like(input)) from x (in layout `ncl`), dy and relu_out in x's layout.
+at::Tensor launch_backward_elementwise(const at::Tensor& input, const at::Tensor& dy, const at::Tensor& x,
+                                       const at::Tensor& ro, bool ncl, const at::Tensor& saved,
+                                       const std::optional<at::Tensor>& weight, const at::Tensor& sums,
+                                       cudaStream_t stream) {
+  const int64_t C = x.size(1);
   at::Tensor result, out;
   std::tie(result, out) = output_for(input, x, ncl);
   const int64_t numel = x.numel();
   if (numel == 0 || C == 0) return result;
-  const at::Tensor dy = in_layout(grad_out, x, ncl);
-  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
   const Dims d = dims_of(x, ncl);
   const FusedParams p{saved.data_ptr<float>(), sums.data_ptr<float>(), ptr_or_null(weight), nullptr,
                       param_dtype(weight), 0, C};
@@ -1313,6 +1361,59 @@ at::Tensor syncbn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& in
   });
   if (!out.is_same(result)) result.copy_(out);
   return result;
+}
+
+void check_backward_args(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+                         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& relu_out) {
+  check_input_nd(op, input);
+  const int64_t C = input.size(1);
+  check_cuda_float(op, "grad_out", grad_out, input);
+  check_packed(op, "saved", saved, input, 2 * C + 1, true);
+  check_opt(op, "weight", weight, input);
+  if (relu_out.has_value()) check_cuda_float(op, "relu_out", *relu_out, input);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_reduce_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& relu_out) {
+  check_backward_args("syncbn_backward_reduce", grad_out, input, saved, weight, relu_out);
+  const c10::cuda::CUDAGuard guard(input.device());
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  const at::Tensor dy = in_layout(grad_out, x, ncl);
+  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+  return launch_backward_reduce(dy, x, ro, ncl, saved, weight, c10::cuda::getCurrentCUDAStream());
+}
+
+at::Tensor syncbn_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+                                const std::optional<at::Tensor>& weight, const at::Tensor& sums,
+                                const std::optional<at::Tensor>& relu_out) {
+  constexpr const char* op = "syncbn_backward";
+  check_backward_args(op, grad_out, input, saved, weight, relu_out);
+  check_packed(op, "sums", sums, input, 2 * input.size(1), true);
+  const c10::cuda::CUDAGuard guard(input.device());
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  if (x.numel() == 0 || x.size(1) == 0) return at::empty_like(input);
+  const at::Tensor dy = in_layout(grad_out, x, ncl);
+  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+  return launch_backward_elementwise(input, dy, x, ro, ncl, saved, weight, sums, c10::cuda::getCurrentCUDAStream());
+}
+
+// One rank's whole backward: the reduction, then the input gradient from its sums.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> syncbn_backward_local_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& saved,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& relu_out) {
+  check_backward_args("syncbn_backward_local", grad_out, input, saved, weight, relu_out);
+  const c10::cuda::CUDAGuard guard(input.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  bool ncl = false;
+  const at::Tensor x = readable(input, ncl);
+  const at::Tensor dy = in_layout(grad_out, x, ncl);
+  const at::Tensor ro = relu_out.has_value() ? in_layout(*relu_out, x, ncl) : at::Tensor();
+  at::Tensor sums, gw, gb;
+  std::tie(sums, gw, gb) = launch_backward_reduce(dy, x, ro, ncl, saved, weight, stream);
+  return {launch_backward_elementwise(input, dy, x, ro, ncl, saved, weight, sums, stream), gw, gb};
 }
 
 }  // namespace
@@ -1328,4 +1429,5 @@ TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
   m.impl("syncbn_forward", &apex_parallel::syncbn_forward_cuda);
   m.impl("syncbn_backward_reduce", &apex_parallel::syncbn_backward_reduce_cuda);
   m.impl("syncbn_backward", &apex_parallel::syncbn_backward_cuda);
+  m.impl("syncbn_backward_local", &apex_parallel::syncbn_backward_local_cuda);
 }
