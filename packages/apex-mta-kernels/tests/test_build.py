@@ -194,6 +194,17 @@ def test_archs_and_keys():
     assert len({k1, k2, k3}) == 3 and "torch2.14.1-cu130" in k1 and k1.endswith("sm80_90")
 
 
+def test_nvcc_threads_only_where_ninja_leaves_cores_idle(monkeypatch):
+    two = ("8.0", "9.0")
+    monkeypatch.setenv("MAX_JOBS", "2")
+    assert loader._nvcc_threads(["layer_norm.cu"], two) == ["--threads=2"]
+    assert loader._nvcc_threads(["a.cu", "b.cu", "c.cpp"], two) == []  # ninja runs both
+    assert loader._nvcc_threads(["layer_norm.cu"], ("9.0",)) == []
+    assert loader._nvcc_threads(["plan.cpp"], two) == []
+    monkeypatch.setenv("MAX_JOBS", "16")
+    assert loader._nvcc_threads(["a.cu", "b.cu"], ("8.0", "8.6", "9.0")) == ["--threads=3"]
+
+
 # ---- fallback --------------------------------------------------------------------------------------
 
 BROKEN = KernelSpec(
