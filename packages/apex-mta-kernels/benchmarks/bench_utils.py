@@ -72,15 +72,21 @@ def graph_ms(fn, per_graph: int = 10, warmup: int = 3, rep: int = 15) -> float |
     return ms
 
 
-def host_ms(fn, rep: int = 50) -> float:
-    """Median host milliseconds to issue ``fn()`` (no sync inside the timed region)."""
+def host_ms(fn, rep: int = 50, calls: int = 1, sync: bool = True) -> float:
+    """Median host milliseconds per call to issue ``fn()`` (no sync inside the timed region):
+    ``calls`` calls back to back per sample (a burst: the launch queue fills as in training),
+    each sample after a device sync unless ``sync`` is False (then the queue may be full and
+    the issue wait on it)."""
     times = []
     for _ in range(rep):
-        torch.cuda.synchronize()
+        if sync:
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) * 1e3 / calls)
+    if sync:
+        torch.cuda.synchronize()
     return statistics.median(times)
 
 

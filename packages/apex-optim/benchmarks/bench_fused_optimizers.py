@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,14 @@ from apex.multi_tensor_apply import ops
 
 # The shared timing helpers and parameter sets live beside the kernel benchmarks.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "apex-mta-kernels" / "benchmarks"))
-from bench_utils import Row, copy_bandwidth, gpt_like_shapes, small_shapes, time_cuda  # noqa: E402
+from bench_utils import (  # noqa: E402
+    Row,
+    copy_bandwidth,
+    gpt_like_shapes,
+    host_ms,
+    small_shapes,
+    time_cuda,
+)
 from bench_utils import write as write_rows  # noqa: E402
 
 
@@ -42,19 +48,6 @@ def make_params(shapes, dtype, device):
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
     return ps
-
-
-def host_ms(fn, rep=50, sync=True) -> float:
-    times = []
-    for _ in range(rep):
-        if sync:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    if sync:
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def wall_ms(fn, rep=20) -> float:

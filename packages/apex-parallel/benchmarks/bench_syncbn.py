@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -100,19 +98,6 @@ def kernel_ms(step, name, case):
     return ms
 
 
-def host_burst_ms(fn, calls: int = 20, rep: int = 15) -> float:
-    """Median host milliseconds per call of ``calls`` calls issued back to back."""
-    times = []
-    for _ in range(rep):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t) * 1e3 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def _inputs(dtype, layout):
     """(x, g, case): the benchmark's input (requires grad) and output gradient in ``layout``."""
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -130,7 +115,7 @@ def _row(case, name, step, gbytes):
     ms = time_cuda(step, warmup=5, rep=30)
     host = host_ms(step, rep=30)
     wall = wall_ms(step, rep=20)
-    extra = {"wall_ms": wall, "host_burst_ms": host_burst_ms(step)}
+    extra = {"wall_ms": wall, "host_burst_ms": host_ms(step, rep=15, calls=20)}
     return Row("syncbn fwd+bwd", case, name, ms, gbytes, host, extra)
 
 
@@ -226,7 +211,7 @@ def ddp_rows():
         ms = time_cuda(step, warmup=5, rep=20)
         host = host_ms(step, rep=20)
         wall = wall_ms(step, rep=20)
-        extra = {"wall_ms": wall, "host_burst_ms": host_burst_ms(step, calls=5, rep=5)}
+        extra = {"wall_ms": wall, "host_burst_ms": host_ms(step, rep=5, calls=5)}
         rows.append(
             Row(
                 "ddp fwd+bwd",

@@ -47,6 +47,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from apex.multi_tensor_apply import ops
 
+from .scaler import by_device
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # Model param -> its fp32 master, for the model's state_dict hooks (O2 checkpoints hold the
@@ -109,20 +111,11 @@ def _one_device(*lists):
     return device
 
 
-def _by_device(*lists):
-    groups: dict = {}
-    for items in zip(*lists):
-        dst = groups.setdefault(items[0].device, tuple([] for _ in lists))
-        for d, x in zip(dst, items):
-            d.append(x)
-    return groups
-
-
 @torch.no_grad()
 def _copy(src: list, dst: list, stash, device=None) -> None:
     """dst[i] = src[i] (dtype-converting), through multi_tensor_scale. ``device``: the one
     device of every tensor, when the caller knows it (skips the grouping)."""
-    groups = {device: (src, dst)} if device is not None else _by_device(src, dst)
+    groups = {device: (src, dst)} if device is not None else by_device(src, dst)
     for device, (s, d) in groups.items():
         ops.multi_tensor_scale(s, d, _flag(stash, device), 1.0)
 

@@ -36,6 +36,17 @@ def _flag_for(tensor: torch.Tensor, flags: dict, main: torch.Tensor) -> torch.Te
     return flag
 
 
+def by_device(*lists) -> dict:
+    """{device: lists' items whose first-list tensor is on it}, each a tuple of lists in the
+    order given (one multi-tensor launch per device)."""
+    groups: dict = {}
+    for items in zip(*lists):
+        dst = groups.setdefault(items[0].device, tuple([] for _ in lists))
+        for d, x in zip(dst, items):
+            d.append(x)
+    return groups
+
+
 def _merge_flags(flags: dict, main: torch.Tensor) -> None:
     for flag in flags.values():
         main.add_(flag.to(main.device, non_blocking=True))
@@ -122,12 +133,7 @@ class LossScaler:
         is on the flag's device (``device``); else split by the first list's devices."""
         if device is not None and device == self._overflow_buf.device:
             return [(self._overflow_buf, lists)]
-        groups: dict = {}
-        for items in zip(*lists):
-            groups.setdefault(items[0].device, tuple([] for _ in lists))
-            for dst, x in zip(groups[items[0].device], items):
-                dst.append(x)
-        return [(self._flag(g[0][0]), g) for g in groups.values()]
+        return [(self._flag(g[0][0]), g) for g in by_device(*lists).values()]
 
     def _merge(self) -> None:
         if self._scratch_flags:

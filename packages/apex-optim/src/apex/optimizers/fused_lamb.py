@@ -182,8 +182,7 @@ class FusedLAMB(FusedOptimizer):
         all_grads = []
         for i, (group, plan, grads) in enumerate(work):
             if grads is None:  # fetched by the plans, which this path does not use
-                for b in plan.buckets:
-                    b.native.release()
+                self._release(work[i : i + 1])
                 grads = [p.grad for p in plan.live]
                 work[i] = (group, plan, grads)
             all_grads.extend(grads)
