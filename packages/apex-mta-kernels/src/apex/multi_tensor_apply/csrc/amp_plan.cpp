@@ -2,9 +2,13 @@
 //
 // Each step of amp O2 touches every param's .grad two or three times around its two launches
 // (the unscale of the model grads into the fp32 master grads, the copy of the masters into the
-// model params). From Python each touch costs a fraction of a microsecond, ~1500 of them per step
-// on a 290-tensor model, while the GPU waits. This plan holds the lists and does those touches
-// natively:
+// model params), and the general path builds Python lists of them for each launch, ~1500 touches
+// per step on a 290-tensor model, while the GPU waits. This plan holds the lists and does the
+// touches natively. A touch itself costs about as much from here as from Python on torch >= 2.10,
+// where a .grad set or clear keeps the tensor's Python object in step (CPU, torch 2.13, 300
+// tensors: clearing every grad 64 us from here, 56 us in a Python loop; 290 us and 245 us when
+// the clear frees the grads): what the plan saves is the lists, the per-tensor checks and the
+// conversions at each launch, not the touches.
 //   prepare()                 the enter of scale_loss: when no master (and no fp32 param) has a
 //                             grad, clear every model param's grad; else change nothing (false)
 //   unscale(noop_flag, s)     the exit: model grads * s into the persistent buffer's views,
