@@ -3,6 +3,12 @@ and, under the ``cuda`` marker, the CUDA kernels against the reference and torch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,8 @@ from apex.normalization.fused_layer_norm import (
     fused_layer_norm_affine,
     mixed_dtype_fused_layer_norm_affine,
 )
+
+HERE = Path(__file__).resolve().parent
 
 SHAPES = [  # (input shape, normalized_shape)
     ((4, 32), (32,)),
@@ -121,6 +129,56 @@ def test_gradcheck_float64():
             lambda x, w, b, mem=mem: fused_layer_norm_affine(x, w, b, (2, 5), 1e-5, mem), (x, w, b)
         )
     assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, (5,), 1e-5), (x,))
+
+
+def test_gradgradcheck_float64():
+    """Double backward (create_graph=True), as torch.nn.LayerNorm has it: weight and bias or
+    not, a non-contiguous input, the mixed form."""
+    x = make((3, 2, 5), torch.float64, requires_grad=True)
+    w, b = param((2, 5), torch.float64), param((2, 5), torch.float64)
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: fused_layer_norm_affine(x, w, b, (2, 5), 1e-5), (x, w, b)
+    )
+    assert torch.autograd.gradgradcheck(lambda x: fused_layer_norm(x, (5,), 1e-5), (x,))
+    xt = make((5, 4), torch.float64).t().requires_grad_(True)
+    wt = param((5,), torch.float64)
+    assert torch.autograd.gradgradcheck(
+        lambda x, w: fused_layer_norm_affine(x, w, None, (5,), 1e-5), (xt, wt)
+    )
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: mixed_dtype_fused_layer_norm_affine(x, w, b, (2, 5), 1e-5), (x, w, b)
+    )
+
+
+def gradient_penalty(norm, x):
+    """WGAN-GP's penalty through ``norm``: the squared norm of d(sum out)/dx, differentiated
+    again into every parameter and x."""
+    (gx,) = torch.autograd.grad(norm(x).sum(), [x], create_graph=True)
+    penalty = (gx.square().sum() - 1.0).square()
+    return torch.autograd.grad(penalty, [x, *norm.parameters()], allow_unused=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gradient_penalty_matches_torch(device):
+    ours = FusedLayerNorm(64).to(device)
+    theirs = torch.nn.LayerNorm(64).to(device)
+    for m in (ours, theirs):
+        with torch.no_grad():
+            m.weight.copy_(torch.linspace(0.5, 1.5, 64))
+            m.bias.copy_(torch.linspace(-1.0, 1.0, 64))
+    x = make((8, 64), torch.float32, device, requires_grad=True)
+    got, want = gradient_penalty(ours, x), gradient_penalty(theirs, x)
+    assert got[2] is None and want[2] is None  # d(sum out)/dx does not involve the bias
+    torch.testing.assert_close(got[:2], want[:2], atol=1e-4, rtol=1e-4)
+
+
+def test_double_backward_through_memory_efficient_is_refused():
+    x = make((4, 16), torch.float32, requires_grad=True)
+    y = FusedLayerNorm(16, memory_efficient=True)(x)
+    with pytest.raises(RuntimeError, match="memory_efficient=False for double backward"):
+        torch.autograd.grad(y.sum(), [x], create_graph=True)
+    (gx,) = torch.autograd.grad(FusedLayerNorm(16, memory_efficient=True)(x).sum(), [x])
+    assert gx.grad_fn is None  # a plain backward is as before
 
 
 def test_memory_efficient_saves_the_output():
@@ -273,6 +331,74 @@ def test_cuda_many_rows(H, rows, dtype, memory_efficient):
         return
     for g, e in zip(got[1:], want[1:]):
         torch.testing.assert_close(g.double(), e, **grad_tol(H, dtype))
+
+
+def backward_against_torch(norm, H, rows, dtype, device):
+    """Fused forward+backward of one norm (LayerNorm with weight and bias, or RMSNorm with a
+    weight) against torch in float64: every gradient, the test_cuda_many_rows tolerances."""
+    x = make((rows, H), dtype, device, requires_grad=True, scale=2.0, shift=0.5)
+    w, b = param((H,), dtype, device), param((H,), dtype, device)
+    if norm == "rms":
+        from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+
+        inputs = [x, w]
+        y = fused_rms_norm_affine(x, w, (H,), 1e-5)
+        xd, wd = (t.detach().double().requires_grad_(True) for t in inputs)
+        expected, exp_inputs = torch_rms_norm(xd, (H,), wd, 1e-5), [xd, wd]
+    else:
+        inputs = [x, w, b]
+        y = run(x, w, b, (H,), 1e-5, False)
+        xd, wd, bd = (t.detach().double().requires_grad_(True) for t in inputs)
+        expected, exp_inputs = torch_layer_norm(xd, (H,), wd, bd, 1e-5), [xd, wd, bd]
+    torch.testing.assert_close(y.double(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, inputs, dy)
+    want = torch.autograd.grad(expected, exp_inputs, dy.double())
+    torch.testing.assert_close(got[0].double(), want[0], **tol(dtype, torch.float16))
+    for g, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g.double(), e, **grad_tol(H, dtype))
+
+
+# Backwards whose fastest kernel wants more shared memory than ~100 KB a block (bwd_fast with a
+# bias at H=16384: 128 KB; the ring at H=16384), as on sm_86, sm_89 and sm_120.
+BIG_SMEM = [("layer", 16384, torch.float32), ("layer", 16384, torch.bfloat16),
+            ("layer", 8192, torch.float32), ("rms", 16384, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.cuda
+def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path):
+    """With a block's shared memory capped at sm_86's 99 KB (APEX_NORM_TUNE smem_kb, read once
+    per process: a fresh one), each backward takes a kernel that fits and is still right."""
+    script = tmp_path / "capped.py"
+    cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in BIG_SMEM]
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, torch
+            sys.path[:0] = [{str(HERE)!r}]
+            from test_layer_norm import backward_against_torch
+            torch.manual_seed(0)
+            for norm, H, dtype in {cases!r}:
+                backward_against_torch(norm, H, 1031, getattr(torch, dtype), "cuda")
+                print("ok", norm, H, dtype)
+            """
+        )
+    )
+    env = {**os.environ, "APEX_NORM_TUNE": "smem_kb=99", "APEX_STRICT_KERNELS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("ok ") == len(BIG_SMEM)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("norm,H,dtype", BIG_SMEM)
+def test_cuda_big_shared_memory_backward_on_each_device(norm, H, dtype):
+    """A kernel's shared-memory opt-in is per device: the second device gets its own."""
+    for device in ("cuda:0", "cuda:1"):
+        backward_against_torch(norm, H, 1031, dtype, device)
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@ from norm_testing import (
     DTYPES,
     LOW,
     MANY_ROWS,
+    PlainRMSNorm,
     RMSNorm,
     grad_tol,
     make,
@@ -93,6 +94,35 @@ def test_gradcheck_float64():
             lambda x, w, mem=mem: fused_rms_norm_affine(x, w, (2, 5), 1e-5, mem), (x, w)
         )
     assert torch.autograd.gradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (x,))
+
+
+def test_gradgradcheck_float64():
+    """Double backward (create_graph=True), as torch.nn.RMSNorm has it."""
+    x = make((3, 2, 5), torch.float64, requires_grad=True)
+    w = param((2, 5), torch.float64)
+    assert torch.autograd.gradgradcheck(
+        lambda x, w: fused_rms_norm_affine(x, w, (2, 5), 1e-5), (x, w)
+    )
+    assert torch.autograd.gradgradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (x,))
+    xt = make((5, 4), torch.float64).t().requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (xt,))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gradient_penalty_matches_plain_rms_norm(device):
+    ours = FusedRMSNorm(64, eps=1e-5).to(device)
+    theirs = PlainRMSNorm(64, 1e-5).to(device)
+    for m in (ours, theirs):
+        with torch.no_grad():
+            m.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    x = make((8, 64), torch.float32, device, requires_grad=True)
+
+    def penalty(norm):
+        (gx,) = torch.autograd.grad(norm(x).sum(), [x], create_graph=True)
+        return torch.autograd.grad((gx.square().sum() - 1.0).square(), [x, norm.weight])
+
+    for got, want in zip(penalty(ours), penalty(theirs)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_zero_rows_and_non_contiguous():

@@ -121,6 +121,18 @@ def test_apex_channel_last_layout_with_z_and_fused_relu():
     torch.testing.assert_close(sbn.running_var, ref.running_var)
 
 
+def test_differentiating_the_gradients_again_raises():
+    """create_graph=True works; differentiating its gradients again raises (as torch's
+    SyncBatchNorm), instead of dropping the second-order terms."""
+    sbn = SyncBatchNorm(4)
+    x = torch.randn(6, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(sbn(x).square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        gx.sum().backward()
+    (gx,) = torch.autograd.grad(sbn(x).square().sum(), [x])
+    assert gx.grad_fn is None and not gx.requires_grad
+
+
 def test_module_path_and_repr():
     assert SyncBatchNorm.__module__ == "apex.parallel.optimized_sync_batchnorm"
     bn = SyncBatchNorm(8, channel_last=True, fuse_relu=True)

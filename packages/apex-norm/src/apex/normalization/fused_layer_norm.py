@@ -100,8 +100,10 @@ def _contiguous(t):
 def _direct():
     """Inside the autograd Functions, the ops dispatch below the Autograd key: their own autograd
     wrapper (a Python function) would only redispatch, about 10 us a call. Not while dynamo
-    traces: it does not know that context, and compiled code has no such cost."""
-    if torch.compiler.is_compiling():
+    traces: it does not know that context, and compiled code has no such cost. Nor in a
+    backward under create_graph=True (grad mode on there): its gradients are differentiable
+    (ops.grads_with_graph), which needs autograd."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled():
         return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()
 
@@ -124,11 +126,14 @@ def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficien
     ctx.normalized_shape = shape
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
-    ctx.input_dtype = input.dtype
+    ctx.input_dtype, ctx.out_dtype = input.dtype, out_dtype
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+    # The tensors as given, not their contiguous copies: the backward makes them contiguous
+    # again (a no-op for the usual contiguous ones), and a double backward differentiates
+    # through them, which needs the caller's tensors.
     if memory_efficient:
-        return out, (out, None, invvar, weight_, bias_)
-    return out, (input_, mean, invvar, weight_, bias_)
+        return out, (out, None, invvar, weight, bias)
+    return out, (input, mean, invvar, weight, bias)
 
 
 def _ln_backward(ctx, grad_output):
@@ -146,9 +151,9 @@ def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mi
     ctx.normalized_shape = shape
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
-    ctx.input_dtype = input.dtype
+    ctx.input_dtype, ctx.out_dtype = input.dtype, out_dtype
     ctx.has_weight = weight is not None
-    return out, (out if memory_efficient else input_, invvar, weight_)
+    return out, (out if memory_efficient else input, invvar, weight)  # as given: see _ln_forward
 
 
 def _rms_backward(ctx, grad_output):

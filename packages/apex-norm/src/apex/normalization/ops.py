@@ -155,25 +155,35 @@ def _ln_setup(ctx, inputs, output):
     ctx.normalized_shape = list(normalized_shape)
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
-    ctx.input_dtype = input.dtype
+    ctx.input_dtype, ctx.out_dtype = input.dtype, out.dtype
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     saved = (out, None) if memory_efficient else (input, mean)
     ctx.save_for_backward(*saved, invvar, weight, bias)
 
 
+def _c(t):
+    return t.contiguous() if t is not None else None
+
+
 def layer_norm_grads(ctx, grad_out):
     """(grad_input, grad_weight, grad_bias) from an autograd context that saved (input or
-    output, mean, invvar, weight, bias) and set normalized_shape, eps, memory_efficient and
-    input_dtype: the op's own autograd and the apex Functions (fused_layer_norm.py) both."""
+    output, mean, invvar, weight, bias) and set normalized_shape, eps, memory_efficient,
+    input_dtype and out_dtype: the op's own autograd and the apex Functions (fused_layer_norm.py)
+    both. Under create_graph=True, differentiable ones (``grads_with_graph``)."""
     x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        forward = lambda: reference.layer_norm_fwd(  # noqa: E731
+            x_or_y, weight, bias, ctx.normalized_shape, ctx.eps, False, ctx.out_dtype
+        )[0]
+        return grads_with_graph(ctx, grad_out, forward, (x_or_y, weight, bias))
     return layer_norm_bwd(
         grad_out.contiguous(),
         mean,
         invvar,
-        x_or_y,
+        _c(x_or_y),
         ctx.normalized_shape,
-        weight,
-        bias,
+        _c(weight),
+        _c(bias),
         ctx.eps,
         ctx.memory_efficient,
         ctx.input_dtype,
@@ -184,16 +194,44 @@ def rms_norm_grads(ctx, grad_out):
     """(grad_input, grad_weight) from a context that saved (input or output, invvar, weight),
     as layer_norm_grads."""
     x_or_y, invvar, weight = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        forward = lambda: reference.rms_norm_fwd(  # noqa: E731
+            x_or_y, weight, ctx.normalized_shape, ctx.eps, False, ctx.out_dtype
+        )[0]
+        return grads_with_graph(ctx, grad_out, forward, (x_or_y, weight))
     return rms_norm_bwd(
         grad_out.contiguous(),
         invvar,
-        x_or_y,
+        _c(x_or_y),
         ctx.normalized_shape,
-        weight,
+        _c(weight),
         ctx.eps,
         ctx.memory_efficient,
         ctx.input_dtype,
     )
+
+
+def grads_with_graph(ctx, grad_out, forward, inputs) -> tuple:
+    """The gradients under create_graph=True (a double backward: a gradient penalty, a
+    Hessian-vector product), as torch.nn.LayerNorm gives them: differentiable functions of the
+    inputs and grad_out, by autograd through ``forward()``, the plain-torch forward recomputed
+    from the saved input (no kernel has a derivative). None for an input that needs no gradient.
+    memory_efficient saved the output instead, from which the input cannot be had: an error
+    rather than second-order terms that would silently be missing."""
+    if ctx.memory_efficient:
+        raise RuntimeError(
+            "apex.normalization: memory_efficient=True keeps the norm's output instead of its "
+            "input, so its gradient cannot be differentiated again (backward with "
+            "create_graph=True, torch.autograd.grad(..., create_graph=True)); use "
+            "memory_efficient=False for double backward"
+        )
+    need = [t for t in inputs if t is not None and t.requires_grad]
+    got = iter(
+        torch.autograd.grad(forward(), need, grad_out, create_graph=True, allow_unused=True)
+        if need
+        else ()
+    )
+    return tuple(next(got) if t is not None and t.requires_grad else None for t in inputs)
 
 
 def _ln_backward(ctx, grad_out, _grad_mean, _grad_invvar):
@@ -215,7 +253,7 @@ def _rms_setup(ctx, inputs, output):
     ctx.normalized_shape = list(normalized_shape)
     ctx.eps = eps
     ctx.memory_efficient = memory_efficient
-    ctx.input_dtype = input.dtype
+    ctx.input_dtype, ctx.out_dtype = input.dtype, out.dtype
     ctx.has_weight = weight is not None
     ctx.save_for_backward(out if memory_efficient else input, invvar, weight)
 

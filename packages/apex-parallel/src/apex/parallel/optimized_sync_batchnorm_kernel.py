@@ -51,6 +51,20 @@ def _direct():
     return contextlib.nullcontext() if _is_compiling() else _below_autograd()
 
 
+_NOT_TWICE = (
+    b"apex.parallel.SyncBatchNorm: its backward is not differentiable, so its gradients cannot "
+    b"be differentiated again (create_graph=True); torch.nn.SyncBatchNorm's cannot either"
+)
+
+
+def _not_twice(grads: tuple) -> tuple:
+    """The backward's gradients under create_graph=True (grad mode on there): raising when they
+    are differentiated again, as torch's SyncBatchNorm does, instead of counting as constants
+    (its kernels have no derivative) and leaving second-order terms silently out."""
+    err = torch._C._functions.DelayedError(_NOT_TWICE, len(grads))
+    return err(*[g.detach().requires_grad_() if g is not None else None for g in grads])
+
+
 def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.Tensor:
     """Every rank's packed ``[mean, var, count]`` buffer, ``[W * (2C + 1)]`` (one all_gather)."""
     if world_size == 1:
@@ -118,6 +132,11 @@ class SyncBatchnormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        grads = SyncBatchnormFunction._grads(ctx, grad_output)
+        return _not_twice(grads) if torch.is_grad_enabled() else grads
+
+    @staticmethod
+    def _grads(ctx, grad_output):
         x, weight, saved, out = ctx.saved_tensors
         dy = grad_output if ctx.shape is None else grad_output.reshape(x.shape)
         needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed

@@ -914,13 +914,6 @@ int device_attr(int device) {
 
 int sm_count(int device) { return device_attr<cudaDevAttrMultiProcessorCount>(device); }
 
-// The most dynamic shared memory a block of these kernels may ask for: the device's opt-in limit
-// less the largest static slots (fwd_fast's).
-size_t max_dyn_smem(int device) {
-  return size_t(device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device)) -
-         sizeof(float4) * 2 * kMaxTY * kMaxWarps;
-}
-
 bool vec_aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % (kVec * t.element_size()) == 0;
 }
@@ -950,7 +943,8 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
 // bwd_waves=1,bwd_ring=2", read once) overrides them for tuning sweeps: *_pt vectors per thread
 // (*_pt16 for 16-bit input), *_waves the persistent grid in multiples of what fits at once (0: one
 // row group per block row, no persistence), bwd_ring the 16-bit backward's ring stages (see
-// bwd_ring). Measured on an
+// bwd_ring); smem_kb caps a block's shared memory (0: the device's), for tests of the fallbacks
+// that GPUs with less shared memory take. Measured on an
 // H200 (2026-12-03, [32768, H], scripts/norm_sweep.sh): the forward without persistence and with
 // 128 bytes of a row per thread (8 vectors of bf16, 4 of float32) is fastest: RMSNorm bf16
 // H=4096 148 us against 199 us persistent and 221 us with 4 bf16 vectors; float32 96 % of copy.
@@ -962,10 +956,11 @@ struct Tune {
   int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
   int fwd_pt16 = 8, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
   int bwd_ring = 2;  // rows in bwd_ring's shared-memory ring (2 to 4); 0: bwd_vec instead
+  int smem_kb = 0;   // >0: a block's shared memory capped at this many KB, as on a smaller GPU
 };
 
 int key_min(const std::string& key) {
-  return key.find("waves") != std::string::npos || key == "bwd_ring" ? 0 : 1;
+  return key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ? 0 : 1;
 }
 
 const Tune& tune() {
@@ -990,6 +985,7 @@ const Tune& tune() {
         if (key == "fwd_pt16") v.fwd_pt16 = val;
         if (key == "bwd_pt16") v.bwd_pt16 = val;
         if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
+        if (key == "smem_kb") v.smem_kb = val;
       }
       pos = end + 1;
     }
@@ -998,28 +994,39 @@ const Tune& tune() {
   return t;
 }
 
-// Blocks of `threads` of `kernel` that fit on the device at once (the occupancy calculator,
-// asked once per kernel and block size).
-// Dynamic shared memory above 48 KB needs the kernel's opt-in first (done once per kernel, for
-// the most any launch can ask: 227 KB on sm_90, 163 KB on sm_80).
+// The most dynamic shared memory a block of these kernels may ask for: the device's opt-in limit
+// (or APEX_NORM_TUNE's smem_kb, the tests' stand-in for a GPU with less) less the largest static
+// slots (fwd_fast's).
+size_t max_dyn_smem(int device) {
+  size_t limit = size_t(device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device));
+  if (tune().smem_kb > 0) limit = std::min(limit, size_t(std::max(tune().smem_kb, 16)) * 1024);
+  return limit - sizeof(float4) * 2 * kMaxTY * kMaxWarps;
+}
+
+// Blocks of `threads` of `kernel` that fit on `device` (the current one) at once: the occupancy
+// calculator, asked once per kernel, block size and device.
+// Dynamic shared memory above 48 KB needs the kernel's opt-in first, a function attribute of
+// each device's context: done once per kernel and device, for the most any launch can ask there
+// (227 KB on sm_90, 163 KB on sm_80).
 int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device) {
   static std::mutex mu;
-  static std::vector<std::tuple<const void*, int, size_t, int>> seen;  // ..., blocks per SM
-  static std::vector<const void*> opted;
+  static std::vector<std::tuple<const void*, int, size_t, int, int>> seen;  // ..., device, per SM
+  static std::vector<std::pair<const void*, int>> opted;
   int per_sm = 0;
   const std::lock_guard<std::mutex> lock(mu);
-  if (smem > 48 * 1024 && std::find(opted.begin(), opted.end(), kernel) == opted.end()) {
+  const std::pair<const void*, int> key{kernel, device};
+  if (smem > 48 * 1024 && std::find(opted.begin(), opted.end(), key) == opted.end()) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(max_dyn_smem(device))));
-    opted.push_back(kernel);
+    opted.push_back(key);
   }
-  for (const auto& [k, t, m, n] : seen) {
-    if (k == kernel && t == threads && m == smem) per_sm = n;
+  for (const auto& [k, t, m, d, n] : seen) {
+    if (k == kernel && t == threads && m == smem && d == device) per_sm = n;
   }
   if (per_sm == 0) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     per_sm = std::max(per_sm, 1);
-    seen.emplace_back(kernel, threads, smem, per_sm);
+    seen.emplace_back(kernel, threads, smem, device, per_sm);
   }
   return int64_t(per_sm) * sm_count(device);
 }
@@ -1235,7 +1242,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       auto pick = [&](auto nv_tag) {
         constexpr int NV = decltype(nv_tag)::value;
         constexpr bool kRing = sizeof(Tx) == 2 && ring_fits(NV, RMS);
-        if (!packed || (kRing && !ring)) return launch(bwd_vec<Tx, NV, RMS>, false);
+        // bwd_fast's shared memory (each thread's float32 weight and bias gradient sums: 128 KB
+        // at H=16384 with a bias) can be more than a block may have on GPUs with ~100 KB
+        // (sm_86, sm_89, sm_120 run the sm_80 build): bwd_vec there.
+        const bool fast_fits = kRing || smem <= max_dyn_smem(device);
+        if (!packed || (kRing && !ring) || !fast_fits) return launch(bwd_vec<Tx, NV, RMS>, false);
         if constexpr (kRing) {
           launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
         } else {
