@@ -73,6 +73,7 @@ class AmpOptimizerState:
         self._grad_views = None  # per master of all_fp32_from_fp16_params: a view, or None
         self._grad_buffers = ()  # (buffer, storage use count when nothing else holds it)
         self._device = None  # the one device of every param in the stash, None if several
+        self._flags: dict = {}  # device -> int32 flag of the master copies (made at first use)
         self._plan = None  # the cached AmpPlan; False: none for these lists (module docstring)
         self._plan_refs = 0  # Python references the plan adds to each view it holds
         self.plan_unscales = 0  # unscales the plan ran, and why the others did not
@@ -122,12 +123,9 @@ def _copy(src: list, dst: list, stash, device=None) -> None:
 
 def _flag(stash, device) -> torch.Tensor:
     """The stash's int32 flag on ``device`` (made at first use)."""
-    flags = getattr(stash, "_flags", None)
-    if flags is None:
-        flags = stash._flags = {}
-    flag = flags.get(device)
+    flag = stash._flags.get(device)
     if flag is None:
-        flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = stash._flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return flag
 
 
@@ -246,16 +244,16 @@ def _amp_plan(stash):
     """The stash's AmpPlan, made at first use after the views exist; None where the general path
     runs: persistence off, params on several devices, a master outside the buffer, an
     apex-mta-kernels without ``amp_plan``."""
-    plan = stash._plan
-    if plan is None:
-        if not stash.persistent_master_grads or stash._grad_views is None:
+    if not stash.persistent_master_grads:
+        return None
+    if stash._plan is None:
+        if stash._grad_views is None:
             return None  # no views yet: made by the first unscale
-        plan = _make_plan(stash)
-        if plan is None:
+        made = _make_plan(stash)
+        if made is None:
             return None
-        plan, stash._plan_refs = plan if plan is not False else (False, 0)
-        stash._plan = plan
-    return plan if plan is not False and stash.persistent_master_grads else None
+        stash._plan, stash._plan_refs = made if made is not False else (False, 0)
+    return stash._plan if stash._plan is not False else None  # (a plan has a __len__)
 
 
 def _make_plan(stash):
@@ -442,12 +440,20 @@ def post_backward_with_master_weights(self, scaler) -> None:
     stash.all_fp32_from_fp32_grad_stash = [None] * len(stash.all_fp32_from_fp32_params)
 
 
+def _plan_copy_back(stash, release_grads: bool) -> bool:
+    """The master -> model copy through the stash's AmpPlan (then, with ``release_grads``, every
+    master grad cleared); False, nothing done, where there is no plan."""
+    plan = _amp_plan(stash)
+    if plan is None:
+        return False
+    plan.copy_back(_flag(stash, stash._device), release_grads)
+    return True
+
+
 def master_params_to_model_params(self) -> None:
     stash = self._amp_stash
     if stash.lazy_init_called and stash.all_fp16_params:
-        plan = _amp_plan(stash)
-        if plan is not None:
-            plan.copy_back(_flag(stash, stash._device), False)
+        if _plan_copy_back(stash, release_grads=False):
             return
         _copy(stash.all_fp32_from_fp16_params, stash.all_fp16_params, stash, stash._device)
 
@@ -528,9 +534,7 @@ def _patch_master_step(optimizer) -> None:
         result = old_step()
         copy = self._master_params_to_model_params
         if not writes_models and getattr(copy, "__func__", None) is master_params_to_model_params:
-            plan = _amp_plan(stash)
-            if plan is not None:  # the copy and the release of the master grads in one call
-                plan.copy_back(_flag(stash, stash._device), True)
+            if _plan_copy_back(stash, release_grads=True):  # copy and release in one call
                 return result
         if not writes_models:
             copy()

@@ -93,10 +93,6 @@ def _autocast(input, *params):
 # -- autograd Functions (apex's forward argument lists; clients inspect them) ------------------
 
 
-def _contiguous(t):
-    return t.contiguous() if t is not None else None
-
-
 def _direct():
     """Inside the autograd Functions, the ops dispatch below the Autograd key: their own autograd
     wrapper (a Python function) would only redispatch, about 10 us a call. Not while dynamo
@@ -118,7 +114,7 @@ def _direct():
 def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, mixed):
     shape = ops.validate(input, normalized_shape, weight, bias)
     out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
-    input_, weight_, bias_ = _contiguous(input), _contiguous(weight), _contiguous(bias)
+    input_, weight_, bias_ = ops.contiguous(input), ops.contiguous(weight), ops.contiguous(bias)
     with _direct():
         out, mean, invvar = ops.layer_norm_fwd(
             input_, weight_, bias_, shape, eps, memory_efficient, out_dtype
@@ -145,7 +141,7 @@ def _ln_backward(ctx, grad_output):
 def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mixed):
     shape = ops.validate(input, normalized_shape, weight)
     out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
-    input_, weight_ = _contiguous(input), _contiguous(weight)
+    input_, weight_ = ops.contiguous(input), ops.contiguous(weight)
     with _direct():
         out, invvar = ops.rms_norm_fwd(input_, weight_, shape, eps, memory_efficient, out_dtype)
     ctx.normalized_shape = shape

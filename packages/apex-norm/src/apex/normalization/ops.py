@@ -161,7 +161,8 @@ def _ln_setup(ctx, inputs, output):
     ctx.save_for_backward(*saved, invvar, weight, bias)
 
 
-def _c(t):
+def contiguous(t):
+    """``t.contiguous()``, None kept (the ops take contiguous tensors)."""
     return t.contiguous() if t is not None else None
 
 
@@ -180,10 +181,10 @@ def layer_norm_grads(ctx, grad_out):
         grad_out.contiguous(),
         mean,
         invvar,
-        _c(x_or_y),
+        contiguous(x_or_y),
         ctx.normalized_shape,
-        _c(weight),
-        _c(bias),
+        contiguous(weight),
+        contiguous(bias),
         ctx.eps,
         ctx.memory_efficient,
         ctx.input_dtype,
@@ -202,9 +203,9 @@ def rms_norm_grads(ctx, grad_out):
     return rms_norm_bwd(
         grad_out.contiguous(),
         invvar,
-        _c(x_or_y),
+        contiguous(x_or_y),
         ctx.normalized_shape,
-        _c(weight),
+        contiguous(weight),
         ctx.eps,
         ctx.memory_efficient,
         ctx.input_dtype,
