@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "apex-mta-kernels" / "benchmarks"))
-from bench_utils import copy_bandwidth, gpt_like_shapes, time_cuda  # noqa: E402
+from bench_utils import copy_bandwidth, gpt_like_shapes, time_cuda, warm_up  # noqa: E402
 
 import apex.amp as amp  # noqa: E402
 
@@ -199,10 +199,11 @@ class _Spans:
 
 def time_spans(fn, warmup, rep):
     """Median milliseconds of ``fn(spans)`` minus what it runs in ``spans.excluded()``."""
-    for _ in range(warmup):
-        fn(_Spans())
     if DEVICE == "cuda":
-        torch.cuda.synchronize()
+        warm_up(lambda: fn(_Spans()), warmup)
+    else:
+        for _ in range(warmup):
+            fn(_Spans())
     times = []
     for _ in range(rep):
         spans = _Spans()

@@ -205,6 +205,40 @@ def test_nvcc_threads_only_where_ninja_leaves_cores_idle(monkeypatch):
     assert loader._nvcc_threads(["a.cu", "b.cu"], ("8.0", "8.6", "9.0")) == ["--threads=3"]
 
 
+def test_unity_units_only_where_ninja_has_fewer_jobs_than_cu_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    sizes = {"a.cu": 900, "b.cu": 500, "c.cu": 400, "d.cu": 300, "e.cu": 100}
+    for name, size in sizes.items():
+        (src / name).write_text("//" + "x" * size + "\n")
+    (src / "plan.cpp").write_text("//\n")
+    sources = [str(src / n) for n in [*sizes, "plan.cpp"]]
+    out = tmp_path / "build"
+    out.mkdir()
+    assert loader._unity_sources(sources, out, 5) == sources  # a job per .cu file: unchanged
+    assert loader._unity_sources(sources, out, 16) == sources
+    units = loader._unity_sources(sources, out, 2)
+    assert units[0] == str(src / "plan.cpp") and len(units) == 3
+    included = []
+    for unit in units[1:]:
+        lines = Path(unit).read_text().splitlines()
+        included.append([line.split('"')[1] for line in lines])
+        assert Path(unit).parent == out and all(line.startswith("#include") for line in lines)
+    # every .cu exactly once; largest first onto the lighter group: 900 + 300 against
+    # 500 + 400 + 100
+    assert sorted(Path(f).name for g in included for f in g) == sorted(sizes)
+    assert sorted(sorted(Path(f).name for f in g) for g in included) == [
+        ["a.cu", "d.cu"],
+        ["b.cu", "c.cu", "e.cu"],
+    ]
+    # A unit rewritten with the same text keeps its mtime (ninja would rebuild it otherwise).
+    before = [Path(u).stat().st_mtime_ns for u in units[1:]]
+    assert loader._unity_sources(sources, out, 2) == units
+    assert [Path(u).stat().st_mtime_ns for u in units[1:]] == before
+    one = loader._unity_sources(sources, out, 1)
+    assert len(one) == 2 and len(Path(one[1]).read_text().splitlines()) == 5
+
+
 # ---- fallback --------------------------------------------------------------------------------------
 
 BROKEN = KernelSpec(

@@ -25,29 +25,7 @@
 namespace apex_mta {
 namespace {
 
-// dtype codes of the scalar tensors (lr, step, inv_scale) and of the roles of the generic path.
-enum Kind : int { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kF16 = 4, kBF16 = 5 };
 
-inline int kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kInt: return kI32;
-    case at::kLong: return kI64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: return -1;
-  }
-}
-
-__device__ __forceinline__ float read_scalar(const void* p, int kind) {
-  switch (kind) {
-    case kF64: return static_cast<float>(*static_cast<const double*>(p));
-    case kI32: return static_cast<float>(*static_cast<const int32_t*>(p));
-    case kI64: return static_cast<float>(*static_cast<const int64_t*>(p));
-    default: return *static_cast<const float*>(p);
-  }
-}
 
 struct AdamArgs {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
@@ -96,42 +74,8 @@ __device__ __forceinline__ bool resolve(const AdamArgs& a, StepScalars& s) {
   return true;
 }
 
-template <typename... Ts>
-constexpr int max_size() {
-  constexpr size_t sizes[] = {sizeof(Ts)...};
-  size_t m = 0;
-  for (size_t s : sizes) m = s > m ? s : m;
-  return static_cast<int>(m);
-}
 
-// E elements of T as one 16-byte word (load_vec/store_vec) or, for a 16-bit T beside 32-bit
-// roles, one 8-byte word.
-template <int E, typename T>
-__device__ __forceinline__ void load_elems(const T* p, float (&v)[E]) {
-  if constexpr (E * sizeof(T) % 16 == 0) {
-    load_vec<E>(p, v);
-  } else {
-    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < E; ++k) v[k] = to_float(e[k]);
-  }
-}
 
-template <int E, typename T>
-__device__ __forceinline__ void store_elems(T* p, const float (&v)[E]) {
-  if constexpr (E * sizeof(T) % 16 == 0) {
-    store_vec<E>(p, v);
-  } else {
-    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
-    uint2 raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < E; ++k) e[k] = from_float<T>(v[k]);
-    *reinterpret_cast<uint2*>(p) = raw;
-  }
-}
 
 // One element: g is already unscaled; p, m and v are updated in place. L2 (mode 0) is a template
 // argument: a run-time select here costs ~26 registers (and half the blocks per SM), and a
@@ -234,23 +178,7 @@ struct AdamFunctor {
   }
 };
 
-// Any other dtype mix (m and v of different dtypes, or a 16-bit master): dtypes read at run time,
-// one element at a time. Correct for every combination, not tuned; see fast_path() below.
-__device__ __forceinline__ float load_any(const void* p, int kind, int64_t i) {
-  switch (kind) {
-    case kF16: return to_float(static_cast<const at::Half*>(p)[i]);
-    case kBF16: return to_float(static_cast<const at::BFloat16*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
 
-__device__ __forceinline__ void store_any(void* p, int kind, int64_t i, float x) {
-  switch (kind) {
-    case kF16: static_cast<at::Half*>(p)[i] = from_float<at::Half>(x); break;
-    case kBF16: static_cast<at::BFloat16*>(p)[i] = from_float<at::BFloat16>(x); break;
-    default: static_cast<float*>(p)[i] = x;
-  }
-}
 
 template <int DEPTH>
 struct AdamAnyFunctor {
@@ -342,19 +270,6 @@ void run_groups(const std::vector<ListArg>& lists, const AdamArgs& a) {
   for (const auto& [dt, idx] : group_by_dtype(lists)) run_group<DEPTH>(dt, ptrs, idx, a);
 }
 
-// lr, step and inv_scale of the capturable ops: one element, an accepted dtype, on the lists' device.
-void check_scalar(const char* op, const char* name, const at::Tensor& t, const at::Tensor& noop_flag,
-                  bool integral_ok) {
-  const at::ScalarType st = t.scalar_type();
-  const bool ok = st == at::kFloat || st == at::kDouble ||
-                  (integral_ok && (st == at::kInt || st == at::kLong));
-  APEX_CHECK_TYPE(ok, op, ": ", name, " has dtype ", dtype_str(st), "; supported: ",
-                  integral_ok ? "int32, int64, float32, float64" : "float32, float64");
-  APEX_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have exactly one element, got ", t.numel());
-  APEX_CHECK_VALUE(t.device() == noop_flag.device(), op, ": ", name, " is on ", t.device(),
-                   " but noop_flag is on ", noop_flag.device(),
-                   "; every tensor must be on one device");
-}
 
 std::vector<ListArg> adam_lists(const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& p,
                                 const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& v) {

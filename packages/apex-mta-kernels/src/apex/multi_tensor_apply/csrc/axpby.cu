@@ -10,21 +10,6 @@
 namespace apex_mta {
 namespace {
 
-// Bytes in flight per thread and iteration of the wider input list: four 16-byte loads (with
-// as many 8-byte loads of a 16-bit list beside a float32 one).
-constexpr int kBytesInFlight = 64;
-
-// E elements of T as one machine word: 16 bytes, or 8 for a 16-bit role beside a 32-bit one.
-template <int E, typename T>
-using Word = std::conditional_t<E * sizeof(T) == 16, uint4, uint2>;
-
-template <typename... Ts>
-constexpr int max_size() {
-  constexpr size_t sizes[] = {sizeof(Ts)...};
-  size_t m = 0;
-  for (size_t s : sizes) m = s > m ? s : m;
-  return static_cast<int>(m);
-}
 
 // a*x + b*y rounded after each step, as torch computes it, so the kernel and the reference agree
 // to the bit (--use_fast_math would otherwise contract it into an fma).

@@ -153,7 +153,21 @@ inline std::map<std::vector<at::ScalarType>, std::vector<int64_t>> group_by_dtyp
   return groups;
 }
 
+// lr, step and inv_scale of the capturable ops: one element, an accepted dtype, on the lists' device.
+inline void check_scalar(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& noop_flag, bool integral_ok) {
+  const at::ScalarType st = t.scalar_type();
+  const bool ok = st == at::kFloat || st == at::kDouble ||
+                  (integral_ok && (st == at::kInt || st == at::kLong));
+  APEX_CHECK_TYPE(ok, op, ": ", name, " has dtype ", dtype_str(st), "; supported: ",
+                  integral_ok ? "int32, int64, float32, float64" : "float32, float64");
+  APEX_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have exactly one element, got ", t.numel());
+  APEX_CHECK_VALUE(t.device() == noop_flag.device(), op, ": ", name, " is on ", t.device(),
+                   " but noop_flag is on ", noop_flag.device(), "; every tensor must be on one device");
+}
+
 }  // namespace apex_mta
+
 
 
 // Calls BODY with `scalar_t_<N>` bound to the C++ type of float dtype `st`.

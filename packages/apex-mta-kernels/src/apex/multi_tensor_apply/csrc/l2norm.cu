@@ -23,8 +23,6 @@
 namespace apex_mta {
 namespace {
 
-constexpr int kBytesInFlight = 64;  // per thread: four 16-byte loads
-
 enum class Norm {
   kPlain,      // ||x||
   kMp,         // ||x||, skipped when noop_flag is already set

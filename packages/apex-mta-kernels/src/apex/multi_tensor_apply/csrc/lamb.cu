@@ -45,21 +45,7 @@
 namespace apex_mta {
 namespace {
 
-// ---- scalars and element access -----------------------------------------------------------------
-
-enum Kind : int { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kF16 = 4, kBF16 = 5 };
-
-inline int kind_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kF32;
-    case at::kDouble: return kF64;
-    case at::kInt: return kI32;
-    case at::kLong: return kI64;
-    case at::kHalf: return kF16;
-    case at::kBFloat16: return kBF16;
-    default: return -1;
-  }
-}
+// ---- scalars -------------------------------------------------------------------------------------
 
 // A per-step scalar: a one-element device tensor of dtype `kind`, or, when ptr is null, `host`.
 struct Scalar {
@@ -69,85 +55,15 @@ struct Scalar {
 };
 
 __device__ __forceinline__ float value(const Scalar& s) {
-  if (s.ptr == nullptr) return s.host;
-  switch (s.kind) {
-    case kF64: return static_cast<float>(*static_cast<const double*>(s.ptr));
-    case kI32: return static_cast<float>(*static_cast<const int32_t*>(s.ptr));
-    case kI64: return static_cast<float>(*static_cast<const int64_t*>(s.ptr));
-    default: return *static_cast<const float*>(s.ptr);
-  }
+  return s.ptr == nullptr ? s.host : read_scalar(s.ptr, s.kind);
 }
 
-template <typename... Ts>
-constexpr int max_size() {
-  constexpr size_t sizes[] = {sizeof(Ts)...};
-  size_t m = 0;
-  for (size_t s : sizes) m = s > m ? s : m;
-  return static_cast<int>(m);
-}
 
-// E elements of T as one 16-byte word, or (a 16-bit T beside 32-bit roles) one 8-byte word.
-template <int E, typename T>
-__device__ __forceinline__ void load_elems(const T* p, float (&v)[E]) {
-  if constexpr (E * sizeof(T) % 16 == 0) {
-    load_vec<E>(p, v);
-  } else {
-    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < E; ++k) v[k] = to_float(e[k]);
-  }
-}
 
-template <int E, typename T>
-__device__ __forceinline__ void store_elems(T* p, const float (&v)[E]) {
-  if constexpr (E * sizeof(T) % 16 == 0) {
-    store_vec<E>(p, v);
-  } else {
-    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
-    uint2 raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int k = 0; k < E; ++k) e[k] = from_float<T>(v[k]);
-    *reinterpret_cast<uint2*>(p) = raw;
-  }
-}
 
-// x as it reads back after being stored as T.
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    return to_float(from_float<T>(x));
-  }
-}
 
-// The generic path: dtypes known only at run time.
-__device__ __forceinline__ float load_any(const void* p, int kind, int64_t i) {
-  switch (kind) {
-    case kF16: return to_float(static_cast<const at::Half*>(p)[i]);
-    case kBF16: return to_float(static_cast<const at::BFloat16*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
 
-__device__ __forceinline__ float round_any(float x, int kind) {
-  switch (kind) {
-    case kF16: return round_to<at::Half>(x);
-    case kBF16: return round_to<at::BFloat16>(x);
-    default: return x;
-  }
-}
 
-__device__ __forceinline__ void store_any(void* p, int kind, int64_t i, float x) {
-  switch (kind) {
-    case kF16: static_cast<at::Half*>(p)[i] = from_float<at::Half>(x); break;
-    case kBF16: static_cast<at::BFloat16*>(p)[i] = from_float<at::BFloat16>(x); break;
-    default: static_cast<float*>(p)[i] = x;
-  }
-}
 
 // ---- stage 1 -------------------------------------------------------------------------------------
 
@@ -597,18 +513,6 @@ void check_mode(const char* op, int64_t mode) {
                    ": adam_w_mode must be 0 (L2 weight decay) or 1 (decoupled, AdamW), got ", mode);
 }
 
-// A one-element scalar tensor (lr, step, norms, found_inf, inv_scale) on the lists' device.
-void check_scalar(const char* op, const char* name, const at::Tensor& t, const at::Tensor& noop_flag,
-                  bool integral_ok) {
-  const at::ScalarType st = t.scalar_type();
-  const bool ok = st == at::kFloat || st == at::kDouble ||
-                  (integral_ok && (st == at::kInt || st == at::kLong));
-  APEX_CHECK_TYPE(ok, op, ": ", name, " has dtype ", dtype_str(st), "; supported: ",
-                  integral_ok ? "int32, int64, float32, float64" : "float32, float64");
-  APEX_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must have exactly one element, got ", t.numel());
-  APEX_CHECK_VALUE(t.device() == noop_flag.device(), op, ": ", name, " is on ", t.device(),
-                   " but noop_flag is on ", noop_flag.device(), "; every tensor must be on one device");
-}
 
 // A float32 tensor of one value per tensor of the lists (per_tensor_decay, the norms).
 void check_per_tensor(const char* op, const char* name, const at::Tensor& t, size_t n, const char* list_name,

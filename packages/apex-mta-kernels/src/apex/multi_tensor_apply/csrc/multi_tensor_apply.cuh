@@ -14,6 +14,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace apex_mta {
@@ -145,6 +146,114 @@ constexpr int vec_elems() {
   size_t m = 16;
   for (size_t s : sizes) m = s < m ? s : m;
   return static_cast<int>(16 / m);
+}
+
+// ---- shared by the kernels: widths, element and scalar access ---------------------------------
+
+// Input bytes in flight per thread and iteration: four 16-byte loads (as many 8-byte loads of a
+// 16-bit list beside a float32 one).
+constexpr int kBytesInFlight = 64;
+
+// E elements of T as one machine word: 16 bytes, or 8 for a 16-bit role beside a 32-bit one.
+template <int E, typename T>
+using Word = std::conditional_t<E * sizeof(T) == 16, uint4, uint2>;
+
+template <typename... Ts>
+constexpr int max_size() {
+  constexpr size_t sizes[] = {sizeof(Ts)...};
+  size_t m = 0;
+  for (size_t s : sizes) m = s > m ? s : m;
+  return static_cast<int>(m);
+}
+
+// E elements of T as one 16-byte word (load_vec/store_vec) or, for a 16-bit T beside 32-bit
+// roles, one 8-byte word.
+template <int E, typename T>
+__device__ __forceinline__ void load_elems(const T* p, float (&v)[E]) {
+  if constexpr (E * sizeof(T) % 16 == 0) {
+    load_vec<E>(p, v);
+  } else {
+    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < E; ++k) v[k] = to_float(e[k]);
+  }
+}
+
+template <int E, typename T>
+__device__ __forceinline__ void store_elems(T* p, const float (&v)[E]) {
+  if constexpr (E * sizeof(T) % 16 == 0) {
+    store_vec<E>(p, v);
+  } else {
+    static_assert(E * sizeof(T) == 8, "a vector is 8 or 16 bytes");
+    uint2 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < E; ++k) e[k] = from_float<T>(v[k]);
+    *reinterpret_cast<uint2*>(p) = raw;
+  }
+}
+
+// x as it reads back after being stored as T.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return to_float(from_float<T>(x));
+  }
+}
+
+// dtype codes of device scalars (lr, step, inv_scale) and of the roles of the generic paths,
+// whose dtypes are known only at run time.
+enum Kind : int { kF32 = 0, kF64 = 1, kI32 = 2, kI64 = 3, kF16 = 4, kBF16 = 5 };
+
+inline int kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kInt: return kI32;
+    case at::kLong: return kI64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: return -1;
+  }
+}
+
+// A one-element device tensor of dtype `kind` (float32, float64, int32 or int64) as a float.
+__device__ __forceinline__ float read_scalar(const void* p, int kind) {
+  switch (kind) {
+    case kF64: return static_cast<float>(*static_cast<const double*>(p));
+    case kI32: return static_cast<float>(*static_cast<const int32_t*>(p));
+    case kI64: return static_cast<float>(*static_cast<const int64_t*>(p));
+    default: return *static_cast<const float*>(p);
+  }
+}
+
+// Element i of a float32, float16 or bfloat16 list whose dtype is `kind`, and back.
+__device__ __forceinline__ float load_any(const void* p, int kind, int64_t i) {
+  switch (kind) {
+    case kF16: return to_float(static_cast<const at::Half*>(p)[i]);
+    case kBF16: return to_float(static_cast<const at::BFloat16*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ float round_any(float x, int kind) {
+  switch (kind) {
+    case kF16: return round_to<at::Half>(x);
+    case kBF16: return round_to<at::BFloat16>(x);
+    default: return x;
+  }
+}
+
+__device__ __forceinline__ void store_any(void* p, int kind, int64_t i, float x) {
+  switch (kind) {
+    case kF16: static_cast<at::Half*>(p)[i] = from_float<at::Half>(x); break;
+    case kBF16: static_cast<at::BFloat16*>(p)[i] = from_float<at::BFloat16>(x); break;
+    default: static_cast<float*>(p)[i] = x;
+  }
 }
 
 }  // namespace apex_mta

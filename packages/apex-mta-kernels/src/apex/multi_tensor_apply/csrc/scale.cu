@@ -10,14 +10,6 @@
 namespace apex_mta {
 namespace {
 
-// Input bytes in flight per thread and iteration: four 16-byte loads, as many 8-byte ones for a
-// 16-bit input beside a float32 output.
-constexpr int kBytesInFlight = 64;
-
-// E elements of T as one machine word: 16 bytes, or 8 for a 16-bit role beside a 32-bit one.
-template <int E, typename T>
-using Word = std::conditional_t<E * sizeof(T) == 16, uint4, uint2>;
-
 template <typename Tin, typename Tout>
 struct ScaleFunctor {
   __device__ __forceinline__ void operator()(const TensorListMeta<2>& m, int t, int64_t /*chunk*/,
