@@ -205,7 +205,7 @@ def test_nvcc_threads_only_where_ninja_leaves_cores_idle(monkeypatch):
     assert loader._nvcc_threads(["a.cu", "b.cu"], ("8.0", "8.6", "9.0")) == ["--threads=3"]
 
 
-def test_unity_units_only_where_ninja_has_fewer_jobs_than_cu_files(tmp_path):
+def test_unity_units_only_where_ninja_has_fewer_jobs_than_cu_files(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     sizes = {"a.cu": 900, "b.cu": 500, "c.cu": 400, "d.cu": 300, "e.cu": 100}
@@ -237,6 +237,8 @@ def test_unity_units_only_where_ninja_has_fewer_jobs_than_cu_files(tmp_path):
     assert [Path(u).stat().st_mtime_ns for u in units[1:]] == before
     one = loader._unity_sources(sources, out, 1)
     assert len(one) == 2 and len(Path(one[1]).read_text().splitlines()) == 5
+    monkeypatch.setenv("APEX_UNITY_BUILD", "0")
+    assert loader._unity_sources(sources, out, 1) == sources
 
 
 # ---- fallback --------------------------------------------------------------------------------------

@@ -158,9 +158,10 @@ def _unity_sources(sources: list[str], out: Path, jobs: int) -> list[str]:
     library), so on few cores most of a build went into parsing the same headers again. A unit
     is a file in the build directory that #includes a group of the sources, groups balanced by
     size; the code compiled is the same, and so is the cache key (it hashes the sources). With
-    as many jobs as .cu files (16 cores), every file stays its own unit."""
+    as many jobs as .cu files (16 cores), every file stays its own unit. APEX_UNITY_BUILD=0 keeps
+    every file its own unit anyway (one nvcc process per unit needs more memory)."""
     cu = [s for s in sources if s.endswith(".cu")]
-    if jobs >= len(cu):
+    if jobs >= len(cu) or os.environ.get("APEX_UNITY_BUILD") == "0":
         return sources
     groups: list[list[str]] = [[] for _ in range(max(1, jobs))]
     load = [0] * len(groups)
@@ -174,7 +175,7 @@ def _unity_sources(sources: list[str], out: Path, jobs: int) -> list[str]:
             units.append(group[0])
             continue
         unit = out / f"unity_{k}.cu"
-        text = "".join(f'#include "{Path(s).resolve()}"\n' for s in sorted(group))
+        text = "".join(f'#include "{Path(s).resolve().as_posix()}"\n' for s in sorted(group))
         if not unit.is_file() or unit.read_text() != text:  # ninja rebuilds on a new mtime
             unit.write_text(text)
         units.append(str(unit))

@@ -25,8 +25,6 @@
 namespace apex_mta {
 namespace {
 
-
-
 struct AdamArgs {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
   bool l2;              // mode 0: g += wd * p
@@ -73,9 +71,6 @@ __device__ __forceinline__ bool resolve(const AdamArgs& a, StepScalars& s) {
   s.write_g = s.inv_scale != 1.0f;
   return true;
 }
-
-
-
 
 // One element: g is already unscaled; p, m and v are updated in place. L2 (mode 0) is a template
 // argument: a run-time select here costs ~26 registers (and half the blocks per SM), and a
@@ -178,8 +173,9 @@ struct AdamFunctor {
   }
 };
 
-
-
+// Any other dtype mix (m and v of different dtypes, or a 16-bit master): dtypes read at run time,
+// one element at a time (load_any/store_any). Correct for every combination, not tuned; see
+// fast_path() below.
 template <int DEPTH>
 struct AdamAnyFunctor {
   int kinds[DEPTH];
@@ -269,7 +265,6 @@ void run_groups(const std::vector<ListArg>& lists, const AdamArgs& a) {
   for (int d = 0; d < DEPTH; ++d) ptrs[d] = lists[d].list;
   for (const auto& [dt, idx] : group_by_dtype(lists)) run_group<DEPTH>(dt, ptrs, idx, a);
 }
-
 
 std::vector<ListArg> adam_lists(const std::vector<at::Tensor>& g, const std::vector<at::Tensor>& p,
                                 const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& v) {

@@ -10,7 +10,6 @@
 namespace apex_mta {
 namespace {
 
-
 // a*x + b*y rounded after each step, as torch computes it, so the kernel and the reference agree
 // to the bit (--use_fast_math would otherwise contract it into an fma).
 __device__ __forceinline__ float axpby(float a, float x, float b, float y) {

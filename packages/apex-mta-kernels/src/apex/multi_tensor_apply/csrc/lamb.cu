@@ -58,13 +58,6 @@ __device__ __forceinline__ float value(const Scalar& s) {
   return s.ptr == nullptr ? s.host : read_scalar(s.ptr, s.kind);
 }
 
-
-
-
-
-
-
-
 // ---- stage 1 -------------------------------------------------------------------------------------
 
 struct Stage1Args {
@@ -512,7 +505,6 @@ void check_mode(const char* op, int64_t mode) {
   APEX_CHECK_VALUE(mode == 0 || mode == 1, op,
                    ": adam_w_mode must be 0 (L2 weight decay) or 1 (decoupled, AdamW), got ", mode);
 }
-
 
 // A float32 tensor of one value per tensor of the lists (per_tensor_decay, the norms).
 void check_per_tensor(const char* op, const char* name, const at::Tensor& t, size_t n, const char* list_name,
