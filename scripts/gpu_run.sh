@@ -81,6 +81,9 @@ if [ "${PROVE_LOCK:-0}" = 1 ]; then
 fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  # One OpenMP thread per test process, as nox runs them (noxfile.py PYTEST_ENV): several
+  # pytests with xdist workers on 16 cores would otherwise spin hundreds of threads.
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   TESTS=${TESTS:-$(ls -d packages/*/tests)}
   : > "$OUT/pytest.log"
   if [ -n "${TEST_JOBS:-}" ]; then

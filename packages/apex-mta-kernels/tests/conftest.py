@@ -12,11 +12,6 @@ TOLERANCES = {
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# One intra-op thread per xdist worker: the workers already fill the cores, and OpenMP threads
-# spinning on an oversubscribed machine made this suite 5x slower on 2 cores (397 s -> 81 s).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")

@@ -1,19 +1,9 @@
 """Tests marked ``cuda`` skip cleanly where torch sees no GPU (markers: pyproject.toml); every
 test starts from a seed derived from its name."""
 
-import os
 import zlib
 
 import pytest
-
-
-def pytest_configure(config):
-    # One intra-op thread per xdist worker: the workers already fill the cores, and OpenMP
-    # threads spinning on an oversubscribed machine slow every test down.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-
-        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

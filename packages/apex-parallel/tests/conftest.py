@@ -1,17 +1,6 @@
 """Tests marked ``cuda`` skip cleanly where torch sees no GPU (markers: pyproject.toml)."""
 
-import os
-
 import pytest
-
-
-def pytest_configure(config):
-    # One intra-op thread per xdist worker: the workers already fill the cores, and OpenMP
-    # threads spinning on an oversubscribed machine slow every test down.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-
-        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
