@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Profiles on the GPU machine, after scripts/gpu_run.sh has compiled the kernels (same
 # APEX_CACHE_DIR): scripts/profile_gpu.py's amp, syncbn and norm tables, and an ncu look at the
-# norm backward where ncu can read the counters. Writes prof_*.txt and ncu_norm.txt under $OUT.
+# norm backward where ncu can read the counters. Writes prof_*.txt and ncu_<target>.txt under $OUT
+# (NCU_TARGET: profile_gpu.py's norm-one or syncbn-one; NCU_KERNEL: a regex of kernel names).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
@@ -13,5 +14,5 @@ if [ "${NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   timeout 180 ncu --clock-control none -k "regex:${NCU_KERNEL:-bwd_}" -c "${NCU_COUNT:-2}" \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     --section MemoryWorkloadAnalysis --section SchedulerStats \
-    python3 "$ROOT/scripts/profile_gpu.py" norm-one > "$OUT/ncu_norm.txt" 2>&1 || echo "ncu: rc=$?"
+    python3 "$ROOT/scripts/profile_gpu.py" "${NCU_TARGET:-norm-one}" > "$OUT/ncu_${NCU_TARGET:-norm-one}.txt" 2>&1 || echo "ncu: rc=$?"
 fi

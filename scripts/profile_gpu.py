@@ -7,13 +7,16 @@
   between them (host time the GPU waits on).
 - ``syncbn``: apex SyncBatchNorm forward+backward, x = [64, 256, 56, 56], bf16 and fp32 in both
   layouts: each kernel's device time and what it moves, as % of the copy rate.
-- ``norm``: LayerNorm and RMSNorm bf16 [32768, 4096] forward+backward: each kernel's time.
+- ``norm``: LayerNorm and RMSNorm bf16 [32768, H] forward+backward: each kernel's time
+  (``NORM_H=1024,16384``: the hidden sizes, default 4096).
+- ``syncbn-one``: one bf16 channels_last forward+backward, nothing else (for ncu).
 - ``norm-one``: one RMSNorm and one LayerNorm bf16 [32768, 4096] forward+backward, nothing else
   (for ncu: ``ncu --clock-control none -k regex:bwd ... python scripts/profile_gpu.py norm-one``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -168,7 +171,12 @@ def norm_inputs(h=4096, dtype=torch.bfloat16):
 
 def norm_profile():
     ceiling = copy_bandwidth().tbps
-    x, w, b, dy = norm_inputs()
+    for h in (int(v) for v in os.environ.get("NORM_H", "4096").split(",")):
+        norm_profile_h(h, ceiling)
+
+
+def norm_profile_h(h, ceiling):
+    x, w, b, dy = norm_inputs(h)
     gb = x.numel() * x.element_size() / 1e9
     for kind in ("rms", "ln"):
         for _ in range(5):
@@ -178,11 +186,23 @@ def norm_profile():
             for _ in range(10):
                 norm_step(kind, x, w, b, dy)
             torch.cuda.synchronize()
-        print(f"norm {kind} bf16 [32768, 4096]: one tensor {gb:.3f} GB, copy {ceiling:.2f} TB/s")
+        print(f"norm {kind} bf16 [32768, {h}]: one tensor {gb:.3f} GB, copy {ceiling:.2f} TB/s")
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
             if ev.device_time_total > 0:
                 us = ev.device_time_total / ev.count
-                print(f"  {ev.count:4d} x {us:8.1f} us  {ev.key[:100]}")
+                print(
+                    f"  {ev.count:4d} x {us:8.1f} us  {gb / (us * 1e-6) / 1e3:6.2f} TB/s per "
+                    f"tensor-pass  {ev.key[:100]}"
+                )
+
+
+def syncbn_one():
+    from apex.parallel import SyncBatchNorm
+
+    bn = SyncBatchNorm(256, channel_last=True).cuda()
+    x = torch.randn(64, 56, 56, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bn(x).backward(torch.randn_like(x))
+    torch.cuda.synchronize()
 
 
 def norm_one():
@@ -193,6 +213,10 @@ def norm_one():
 
 
 if __name__ == "__main__":
-    {"amp": amp_profile, "syncbn": syncbn_profile, "norm": norm_profile, "norm-one": norm_one}[
-        sys.argv[1]
-    ]()
+    {
+        "amp": amp_profile,
+        "syncbn": syncbn_profile,
+        "syncbn-one": syncbn_one,
+        "norm": norm_profile,
+        "norm-one": norm_one,
+    }[sys.argv[1]]()

@@ -146,6 +146,7 @@ struct FwdArgs {
   int64_t rows, H;
   float eps;
   int wt, yt;
+  bool one_pass;  // fwd_fast's LayerNorm moments from shifted sums (see fwd_fast)
 };
 
 // -- the fast path's pieces -------------------------------------------------------------------
@@ -260,6 +261,29 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
         }
       }
       r = rsqrtf(gsum(q, 0.f).x * inv_h + a.eps);
+    } else if (a.one_pass) {
+      // The row's sums of d = x - K and d^2 in one group sum (one barrier, as RMSNorm's), K the
+      // row's first element: var = E[d^2] - E[d]^2. K is one of the row's values, so
+      // (K - mean)^2 <= H * var and the cancellation costs at most log2(H + 1) bits of var's
+      // float32 in an adversarial row, about one bit in a typical one.
+      const float K = live ? static_cast<float>(static_cast<const Tx*>(a.x)[row * a.H]) : 0.f;
+      float s = 0.f, q = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float d = elem(cur[k], e) - K;
+            s += d;
+            q = fmaf(d, d, q);
+          }
+        }
+      }
+      const float2 t = gsum(s, q);
+      const float dm = t.x * inv_h;
+      mu = K + dm;
+      r = rsqrtf(fmaxf(t.y * inv_h - dm * dm, 0.f) + a.eps);
     } else {
       // This thread's own moments, two passes over its registers, then one merge over the group.
       float s = 0.f, n = 0.f;
@@ -590,8 +614,10 @@ size_t bwd_fast_smem(int nv, int threads, bool want_w, bool want_b) {
 // chunks, so no barrier guards the ring), leaving S - 1 rows in flight per row group whatever
 // the registers. The weight/bias sums live in registers (at most 32 floats a thread: RMSNorm up
 // to 4 vectors a thread, LayerNorm up to 2); in shared memory, as bwd_fast keeps them, they
-// measured slower (LayerNorm bf16 H=4096 fwd+bwd 51.3 % of copy against 63.2 %), so the cases
-// that would need it take bwd_fast.
+// measured slower (LayerNorm bf16 H=4096 fwd+bwd 51.3 % of copy against 63.2 %). LayerNorm at 4
+// vectors a thread (16-bit rows past 8192) keeps the weight sums in registers and the bias sums
+// in shared memory (ring_bias_in_smem): bwd_fast, with both there and one row in flight, moved
+// 36.7 % of copy at H=16384.
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -637,12 +663,17 @@ __host__ __device__ constexpr int chunks_of() {
   return int(sizeof(Pack<Tx>) / 16);
 }
 
-// Whether bwd_ring's sums fit its registers: at most 32 floats a thread.
-__host__ __device__ constexpr bool ring_fits(int nv, bool rms) { return nv * kVec * (rms ? 1 : 2) <= 32; }
+// Whether bwd_ring takes rows of nv vectors a thread: its weight sums fit 32 floats of registers.
+__host__ __device__ constexpr bool ring_fits(int nv, bool rms) { return nv * kVec <= 32; }
+
+// Whether bwd_ring keeps LayerNorm's bias sums in shared memory: weight and bias sums together
+// would be more than 32 floats a thread.
+__host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
 template <typename Tx, int NV, bool RMS, bool ME>
 __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
-  static_assert(ring_fits(NV, RMS), "bwd_ring keeps its sums in registers");
+  static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
+  constexpr bool kBS = ring_bias_in_smem(NV, RMS);
   const int S = a.stages;  // 2 to 4
   constexpr int C = chunks_of<Tx>();
   __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
@@ -656,11 +687,16 @@ __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   uint4* ring = reinterpret_cast<uint4*>(dyn);
   float* stat = reinterpret_cast<float*>(ring + size_t(S) * 2 * NV * C * nthreads);
-  float acc_w[NV * kVec], acc_b[RMS ? 1 : NV * kVec];
+  float* acc_bs = stat + size_t(S) * 2 * nthreads + tid;  // kBS: element i at [i * nthreads]
+  float acc_w[NV * kVec], acc_b[RMS || kBS ? 1 : NV * kVec];
 #pragma unroll
   for (int i = 0; i < NV * kVec; ++i) {
     acc_w[i] = 0.f;
-    if (!RMS) acc_b[i] = 0.f;
+    if constexpr (kBS) {
+      if (sum_b) acc_bs[i * nthreads] = 0.f;
+    } else if (!RMS) {
+      acc_b[i] = 0.f;
+    }
   }
   const int64_t G = int64_t(gridDim.x) * blockDim.y;
   const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -707,7 +743,11 @@ __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
     bwd_row<Tx, NV, RMS, ME>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
-      if (!RMS) acc_b[i] += dy;
+      if constexpr (kBS) {
+        if (sum_b) acc_bs[i * nthreads] += dy;
+      } else if (!RMS) {
+        acc_b[i] += dy;
+      }
     });
   }
   cp_async_wait(0);  // nothing may be in flight when the block exits
@@ -720,16 +760,19 @@ __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         w[e] = acc_w[k * kVec + e];
-        b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
+        if constexpr (kBS) b[e] = sum_b ? acc_bs[(k * kVec + e) * nthreads] : 0.f;
+        else b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
       }
       store_partials(a, group, j, w, b, sum_b);
     }
   }
 }
 
-// Dynamic shared memory of bwd_ring: the ring of S rows and their statistics.
-size_t bwd_ring_smem(int S, int nv, int chunks, int threads) {
-  return size_t(S) * 2 * nv * chunks * threads * 16 + size_t(S) * 2 * threads * 4;
+// Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
+// bias gradient sums of ring_bias_in_smem.
+size_t bwd_ring_smem(int S, int nv, int chunks, int threads, bool bias_sums) {
+  return size_t(S) * 2 * nv * chunks * threads * 16 + size_t(S) * 2 * threads * 4 +
+         (bias_sums ? size_t(nv) * kVec * threads * 4 : 0);
 }
 
 template <typename Tx, int NV, bool RMS>
@@ -957,10 +1000,13 @@ struct Tune {
   int fwd_pt16 = 8, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
   int bwd_ring = 2;  // rows in bwd_ring's shared-memory ring (2 to 4); 0: bwd_vec instead
   int smem_kb = 0;   // >0: a block's shared memory capped at this many KB, as on a smaller GPU
+  int ln_one_pass = 0;  // 1: LayerNorm's forward moments from shifted sums in one group sum
 };
 
 int key_min(const std::string& key) {
-  return key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ? 0 : 1;
+  const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
+                       key == "ln_one_pass";
+  return zero_ok ? 0 : 1;
 }
 
 const Tune& tune() {
@@ -986,6 +1032,7 @@ const Tune& tune() {
         if (key == "bwd_pt16") v.bwd_pt16 = val;
         if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
         if (key == "smem_kb") v.smem_kb = val;
+        if (key == "ln_one_pass") v.ln_one_pass = val;
       }
       pos = end + 1;
     }
@@ -1099,7 +1146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   }
   FwdArgs a{input.data_ptr(), ptr_or_null(weight), RMS ? nullptr : ptr_or_null(bias), out.data_ptr(),
             RMS ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, H,
-            static_cast<float>(eps), wt, yt};
+            static_cast<float>(eps), wt, yt, tune().ln_one_pass > 0};
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
   const Config c =
@@ -1203,7 +1250,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       // there (RMSNorm H=4096 fwd+bwd 66.7 % of copy against 87.4 %).
       const int chunks = int(sizeof(Pack<Tx>) / 16);
       int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;
-      auto ring_smem = [&](int S) { return bwd_ring_smem(S, c.nv, chunks, threads); };
+      auto ring_smem = [&](int S) {
+        return bwd_ring_smem(S, c.nv, chunks, threads, want_b && ring_bias_in_smem(c.nv, RMS));
+      };
       while (stages > 2 && ring_smem(stages) > kRingSmemCap) --stages;
       if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
       a.stages = stages;
@@ -1235,25 +1284,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         kernel<<<dim3(static_cast<unsigned>(blocks)), block, fast ? smem : 0, stream>>>(a);
       };
       // One of three kernels, each instantiated only where it can be picked: bwd_ring for 16-bit
-      // input where its sums fit the registers; bwd_fast (the next row prefetched into registers
-      // where two rows fit: 16 bytes of each per thread) for the other packed cases; bwd_vec
-      // (no packing, a block per row groups) where grad_output has another dtype, or where the
-      // ring does not fit the device's shared memory (GPUs with ~100 KB a block) or is off.
+      // input where its weight sums fit the registers; bwd_fast (the next row prefetched into
+      // registers where two rows fit: 16 bytes of each per thread) for the other packed cases,
+      // and for LayerNorm's 4-vector rows where the ring with its bias sums does not fit the
+      // device; bwd_vec (no packing, a block per row groups) where grad_output has another
+      // dtype, or where neither fits the device's shared memory (GPUs with ~100 KB a block:
+      // sm_86, sm_89, sm_120 run the sm_80 build), or the ring is off.
       auto pick = [&](auto nv_tag) {
         constexpr int NV = decltype(nv_tag)::value;
         constexpr bool kRing = sizeof(Tx) == 2 && ring_fits(NV, RMS);
-        // bwd_fast's shared memory (each thread's float32 weight and bias gradient sums: 128 KB
-        // at H=16384 with a bias) can be more than a block may have on GPUs with ~100 KB
-        // (sm_86, sm_89, sm_120 run the sm_80 build): bwd_vec there.
-        const bool fast_fits = kRing || smem <= max_dyn_smem(device);
-        if (!packed || (kRing && !ring) || !fast_fits) return launch(bwd_vec<Tx, NV, RMS>, false);
+        constexpr bool kFast = !kRing || ring_bias_in_smem(NV, RMS);
         if constexpr (kRing) {
-          launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
-        } else {
-          constexpr bool PF = NV < 4 || sizeof(Tx) == 2;
-          launch(memory_efficient ? bwd_fast<Tx, NV, RMS, PF, true> : bwd_fast<Tx, NV, RMS, PF, false>,
-                 true);
+          if (packed && ring) {
+            return launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
+          }
         }
+        if constexpr (kFast) {
+          constexpr bool PF = NV < 4 || sizeof(Tx) == 2;
+          if (packed && smem <= max_dyn_smem(device)) {
+            return launch(memory_efficient ? bwd_fast<Tx, NV, RMS, PF, true> : bwd_fast<Tx, NV, RMS, PF, false>,
+                          true);
+          }
+        }
+        launch(bwd_vec<Tx, NV, RMS>, false);
       };
       switch (c.nv) {
         case 1: pick(std::integral_constant<int, 1>{}); break;

@@ -233,28 +233,74 @@ __global__ void stats_mc_kernel(const T* __restrict__ x, int64_t M, int64_t C, i
   }
 }
 
-// One warp per channel merges its S partials (S reaches about a thousand on channels-last
-// input, too many for one thread to walk): lanes take every 32nd partial, then shuffle-merge.
-// count_out (optional) receives `count`: the packed [mean, var, count] buffer of syncbn_stats.
+// ---- merging the partials ----------------------------------------------------------------------
+// A reduction leaves S partials per channel in a [S, C, k] workspace (S reaches about a thousand
+// on channels-last input). A block of (32, kFinTY) threads merges 32 channels: lane tx is channel
+// blockIdx.x * 32 + tx, so a warp reads 32 consecutive channels' partials (coalesced), row ty
+// takes partials ty, ty + kFinTY, ..., and the rows then merge in shared memory in a fixed order
+// (no atomics: the same bits on every run).
+constexpr int kFinTY = 16;
+
+const dim3 kFinBlock(32, kFinTY);
+
+unsigned fin_blocks(int64_t C) { return static_cast<unsigned>((C + 31) / 32); }
+
+// (mean, m2, n) of channel c from its Welford partials ws[s][c][0..2]; valid in row 0 of the block.
+__device__ void merge_welford_partials(const float* __restrict__ ws, int S, int64_t C, int64_t c, float& mean,
+                                       float& m2, float& n) {
+  __shared__ float sh[3][kFinTY][32];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  mean = m2 = n = 0.f;
+  if (c < C) {
+#pragma unroll 4
+    for (int s = ty; s < S; s += kFinTY) {
+      const float* p = ws + (static_cast<int64_t>(s) * C + c) * 3;
+      chan_merge(mean, m2, n, p[0], p[1], p[2]);
+    }
+  }
+  sh[0][ty][tx] = mean;
+  sh[1][ty][tx] = m2;
+  sh[2][ty][tx] = n;
+  __syncthreads();
+  if (ty == 0) {
+    for (int k = 1; k < kFinTY; ++k) chan_merge(mean, m2, n, sh[0][k][tx], sh[1][k][tx], sh[2][k][tx]);
+  }
+}
+
+// The sums (a, b) of channel c from its partials ws[s][c][0..1]; valid in row 0 of the block.
+__device__ void sum_partials(const float* __restrict__ ws, int S, int64_t C, int64_t c, float& a, float& b) {
+  __shared__ float sh[2][kFinTY][32];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  a = b = 0.f;
+  if (c < C) {
+#pragma unroll 4
+    for (int s = ty; s < S; s += kFinTY) {
+      const float* p = ws + (static_cast<int64_t>(s) * C + c) * 2;
+      a += p[0];
+      b += p[1];
+    }
+  }
+  sh[0][ty][tx] = a;
+  sh[1][ty][tx] = b;
+  __syncthreads();
+  if (ty == 0) {
+    for (int k = 1; k < kFinTY; ++k) {
+      a += sh[0][k][tx];
+      b += sh[1][k][tx];
+    }
+  }
+}
+
+// Mean and biased variance per channel from the statistics partials; count_out (optional)
+// receives `count`: the packed [mean, var, count] buffer of syncbn_stats.
 __global__ void stats_finalize_kernel(const float* __restrict__ ws, int S, int64_t C, float* __restrict__ mean_out,
                                       float* __restrict__ var_out, float* __restrict__ count_out = nullptr,
                                       float count = 0.f) {
-  if (count_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *count_out = count;
-  const int lane = threadIdx.x & 31;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (c >= C) return;  // c is the same for the whole warp
-  float mean = 0.f, m2 = 0.f, n = 0.f;
-  for (int s = lane; s < S; s += 32) {
-    const float* p = ws + (static_cast<int64_t>(s) * C + c) * 3;
-    chan_merge(mean, m2, n, p[0], p[1], p[2]);
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    const float mb = __shfl_down_sync(0xffffffff, mean, off);
-    const float m2b = __shfl_down_sync(0xffffffff, m2, off);
-    const float nb = __shfl_down_sync(0xffffffff, n, off);
-    chan_merge(mean, m2, n, mb, m2b, nb);
-  }
-  if (lane == 0) {
+  if (count_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) *count_out = count;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float mean, m2, n;
+  merge_welford_partials(ws, S, C, c, mean, m2, n);
+  if (threadIdx.y == 0 && c < C) {
     mean_out[c] = mean;
     var_out[c] = n > 0.f ? m2 / n : 0.f;
   }
@@ -322,9 +368,9 @@ __global__ void reduce_ncl_kernel(const T* __restrict__ dy, const T* __restrict_
 }
 
 template <typename T, int VEC>
-__global__ void reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_p,
-                                 int64_t M, int64_t C, int S, float* __restrict__ ws,
-                                 const T* __restrict__ relu = nullptr) {
+__global__ void __launch_bounds__(kThreads, 4)  // 4 blocks per SM: 63 registers (70 left 3)
+    reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_p, int64_t M,
+                     int64_t C, int S, float* __restrict__ ws, const T* __restrict__ relu = nullptr) {
   __shared__ float sh[kRowsMC][32 * VEC][2];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * 32 + tx) * VEC;
@@ -337,18 +383,19 @@ __global__ void reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__
   }
   if (c0 < C) {
     // Two rows per iteration: four independent 16-byte loads in flight per thread.
+    using P = Pack<T, VEC>;
     const int64_t rs = static_cast<int64_t>(S) * kRowsMC;
     auto row = [&](int64_t r) {
-      const Pack<T, VEC> px = *reinterpret_cast<const Pack<T, VEC>*>(x + r * C + c0);
-      const Pack<T, VEC> pg = *reinterpret_cast<const Pack<T, VEC>*>(dy + r * C + c0);
-      Pack<T, VEC> pr;
-      if (relu != nullptr) pr = *reinterpret_cast<const Pack<T, VEC>*>(relu + r * C + c0);
+      const P px = *reinterpret_cast<const P*>(x + r * C + c0);
+      const P pg = *reinterpret_cast<const P*>(dy + r * C + c0);
+      P pr;
+      if (relu != nullptr) pr = *reinterpret_cast<const P*>(relu + r * C + c0);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
         const float g =
             relu != nullptr && !(static_cast<float>(pr.v[v]) > 0.f) ? 0.f : static_cast<float>(pg.v[v]);
         sdy[v] += g;
-        sdyx[v] += g * (static_cast<float>(px.v[v]) - mean[v]);
+        sdyx[v] = fmaf(g, static_cast<float>(px.v[v]) - mean[v], sdyx[v]);
       }
     };
     int64_t r = static_cast<int64_t>(s) * kRowsMC + ty;
@@ -381,24 +428,15 @@ __global__ void reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__
   }
 }
 
-// One warp per channel, as stats_finalize_kernel.
+// The backward sums and parameter gradients per channel from the reduction's partials.
 __global__ void reduce_finalize_kernel(const float* __restrict__ ws, int S, int64_t C,
                                        const float* __restrict__ inv_std, float* __restrict__ sum_dy,
                                        float* __restrict__ sum_dy_xmu, float* __restrict__ grad_weight,
                                        float* __restrict__ grad_bias) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (c >= C) return;  // c is the same for the whole warp
-  float a = 0.f, b = 0.f;
-  for (int s = lane; s < S; s += 32) {
-    a += ws[(static_cast<int64_t>(s) * C + c) * 2];
-    b += ws[(static_cast<int64_t>(s) * C + c) * 2 + 1];
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    a += __shfl_down_sync(0xffffffff, a, off);
-    b += __shfl_down_sync(0xffffffff, b, off);
-  }
-  if (lane == 0) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float a, b;
+  sum_partials(ws, S, C, c, a, b);
+  if (threadIdx.y == 0 && c < C) {
     sum_dy[c] = a;
     sum_dy_xmu[c] = b;
     grad_weight[c] = b * inv_std[c];
@@ -526,19 +564,45 @@ __device__ __forceinline__ float lerp_f(float a, float b, float w) {
   return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.f - w);
 }
 
+// What the merge writes: saved [mean | inv_std | n], the running estimates and
+// num_batches_tracked (each optional).
+struct RunningArgs {
+  float eps;
+  bool has_momentum;
+  float momentum;
+  int64_t* nbt;
+  void* rmean;
+  int rm_dtype;
+  void* rvar;
+  int rv_dtype;
+  float* saved;
+};
+
+// The running estimates' factor: momentum when has_momentum, else 1 / (num_batches_tracked + 1)
+// when it is given (read before anyone increments it), else 0.
+__device__ __forceinline__ float running_factor(const RunningArgs& r) {
+  if (r.has_momentum) return r.momentum;
+  if (r.nbt != nullptr) return 1.f / static_cast<float>(*r.nbt + 1);
+  return 0.f;
+}
+
+// Channel c's merged (mean, m2, n): saved's mean and inv_std, the running estimates.
+__device__ __forceinline__ void merge_out(const RunningArgs& r, int64_t C, int64_t c, float mean, float m2, float n,
+                                          float factor) {
+  r.saved[c] = mean;
+  r.saved[C + c] = rsqrtf(m2 / fmaxf(n, 1.f) + r.eps);
+  if (r.rmean != nullptr)
+    store_param(r.rmean, r.rm_dtype, c, lerp_f(load_param(r.rmean, r.rm_dtype, c, 0.f), mean, factor));
+  if (r.rvar != nullptr)
+    store_param(r.rvar, r.rv_dtype, c, lerp_f(load_param(r.rvar, r.rv_dtype, c, 0.f), m2 / (n - 1.f), factor));
+}
+
 // Merges W ranks' packed stats into saved, updates the running estimates and
-// num_batches_tracked. factor: momentum when has_momentum, else 1 / (num_batches_tracked + 1)
-// when it is given (then the grid is one block: thread 0 reads it before anyone writes), else 0.
-__global__ void merge_kernel(const float* __restrict__ stats, int64_t W, int64_t C, float eps, bool has_momentum,
-                             float momentum, int64_t* __restrict__ nbt, void* __restrict__ rmean, int rm_dtype,
-                             void* __restrict__ rvar, int rv_dtype, float* __restrict__ saved) {
+// num_batches_tracked. With momentum=None and num_batches_tracked given the grid is one block
+// (thread 0 reads the count before it increments it).
+__global__ void merge_kernel(const float* __restrict__ stats, int64_t W, int64_t C, RunningArgs r) {
   __shared__ float factor_sh;
-  if (threadIdx.x == 0) {
-    float f = 0.f;
-    if (has_momentum) f = momentum;
-    else if (nbt != nullptr) f = 1.f / static_cast<float>(*nbt + 1);
-    factor_sh = f;
-  }
+  if (threadIdx.x == 0) factor_sh = running_factor(r);
   __syncthreads();
   const float factor = factor_sh;
   const int64_t P = 2 * C + 1;
@@ -550,38 +614,45 @@ __global__ void merge_kernel(const float* __restrict__ stats, int64_t W, int64_t
       const float nb = s[2 * C];
       chan_merge(mean, m2, n, s[c], s[C + c] * nb, nb);
     }
-    saved[c] = mean;
-    saved[C + c] = rsqrtf(m2 / fmaxf(n, 1.f) + eps);
-    if (rmean != nullptr) store_param(rmean, rm_dtype, c, lerp_f(load_param(rmean, rm_dtype, c, 0.f), mean, factor));
-    if (rvar != nullptr)
-      store_param(rvar, rv_dtype, c, lerp_f(load_param(rvar, rv_dtype, c, 0.f), m2 / (n - 1.f), factor));
+    merge_out(r, C, c, mean, m2, n, factor);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     float total = 0.f;
     for (int64_t w = 0; w < W; ++w) total += stats[w * P + 2 * C];
-    saved[2 * C] = total;
-    if (nbt != nullptr) *nbt += 1;
+    r.saved[2 * C] = total;
+    if (r.nbt != nullptr) *r.nbt += 1;
+  }
+}
+
+// One rank alone: its statistics partials merged straight into saved and the running estimates
+// (stats_finalize_kernel and merge_kernel in one launch). Not for momentum=None with
+// num_batches_tracked, whose factor must be read before the count is incremented: that takes
+// the two launches.
+__global__ void stats_merge_kernel(const float* __restrict__ ws, int S, int64_t C, float count, RunningArgs r) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float mean, m2, n;
+  merge_welford_partials(ws, S, C, c, mean, m2, n);
+  if (threadIdx.y == 0 && c < C) {
+    // Through the packed buffer's numbers (var = m2 / n, then m2 = var * count) as the two
+    // launches take them: the same bits as syncbn_stats + syncbn_forward.
+    const float var = n > 0.f ? m2 / n : 0.f;
+    merge_out(r, C, c, mean, var * count, count, r.has_momentum ? r.momentum : 0.f);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    r.saved[2 * C] = count;
+    if (r.nbt != nullptr) *r.nbt += 1;
   }
 }
 
 // sums and the local parameter gradients (in the parameters' dtype P) from the reduction's
-// partials; one warp per channel, as reduce_finalize_kernel.
+// partials.
 template <typename P>
 __global__ void reduce_pack_kernel(const float* __restrict__ ws, int S, int64_t C, const float* __restrict__ saved,
                                    float* __restrict__ sums, P* __restrict__ grad_weight, P* __restrict__ grad_bias) {
-  const int lane = threadIdx.x & 31;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (c >= C) return;
-  float a = 0.f, b = 0.f;
-  for (int s = lane; s < S; s += 32) {
-    a += ws[(static_cast<int64_t>(s) * C + c) * 2];
-    b += ws[(static_cast<int64_t>(s) * C + c) * 2 + 1];
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    a += __shfl_down_sync(0xffffffff, a, off);
-    b += __shfl_down_sync(0xffffffff, b, off);
-  }
-  if (lane == 0) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float a, b;
+  sum_partials(ws, S, C, c, a, b);
+  if (threadIdx.y == 0 && c < C) {
     sums[c] = a;
     sums[C + c] = b;
     grad_weight[c] = static_cast<P>(b * saved[C + c]);
@@ -836,7 +907,7 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  stats_finalize_kernel<<<static_cast<unsigned>((C + 7) / 8), 256, 0, stream>>>(
+  stats_finalize_kernel<<<fin_blocks(C), kFinBlock, 0, stream>>>(
       ws.data_ptr<float>(), S, C, mean.data_ptr<float>(), var.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {mean, var};
@@ -980,7 +1051,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batchnorm_backward_re
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  reduce_finalize_kernel<<<static_cast<unsigned>((C + 7) / 8), 256, 0, stream>>>(
+  reduce_finalize_kernel<<<fin_blocks(C), kFinBlock, 0, stream>>>(
       ws.data_ptr<float>(), S, C, inv_std.data_ptr<float>(), sum_dy.data_ptr<float>(), sum_dy_xmu.data_ptr<float>(),
       gw.data_ptr<float>(), gb.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1132,8 +1203,8 @@ void check_input_nd(const char* op, const at::Tensor& input) {
                   "; supported: float32, float16, bfloat16");
 }
 
-// Statistics partials of x into a [S, C, 3] workspace, then the packed [mean | var | count].
-void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* out, cudaStream_t stream) {
+// Statistics partials of x into a [S, C, 3] workspace (returned, S = its first size).
+at::Tensor launch_stats_partials(const at::Tensor& x, bool ncl, const Dims& d, cudaStream_t stream) {
   const int64_t C = d.C;
   int S = 1;
   at::Tensor ws;
@@ -1162,8 +1233,16 @@ void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* ou
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  stats_finalize_kernel<<<static_cast<unsigned>((C + 7) / 8), 256, 0, stream>>>(
-      ws.data_ptr<float>(), S, C, out, out + C, out + 2 * C, static_cast<float>(d.N * d.L));
+  return ws;
+}
+
+// The packed [mean | var | count] of x's statistics partials.
+void launch_stats_packed(const at::Tensor& x, bool ncl, const Dims& d, float* out, cudaStream_t stream) {
+  const int64_t C = d.C;
+  const at::Tensor ws = launch_stats_partials(x, ncl, d, stream);
+  stats_finalize_kernel<<<fin_blocks(C), kFinBlock, 0, stream>>>(ws.data_ptr<float>(), static_cast<int>(ws.size(0)), C,
+                                                                 out, out + C, out + 2 * C,
+                                                                 static_cast<float>(d.N * d.L));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1258,17 +1337,31 @@ std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
   at::Tensor result, out;
   std::tie(result, out) = output_for(input, x, ncl);
   if (C == 0) return {result, saved.zero_()};
-  // No stats given: this rank alone, whose statistics are taken here (syncbn_stats's launches).
-  const at::Tensor stats = stats_opt.has_value() ? *stats_opt : packed_stats(x, ncl, stream);
-  const int64_t W = stats.numel() / (2 * C + 1);
   const bool has_nbt = num_batches_tracked.has_value();
   const bool has_m = momentum.has_value();
-  const unsigned mblocks = (!has_m && has_nbt) ? 1u : static_cast<unsigned>(std::min<int64_t>((C + 255) / 256, 1024));
-  merge_kernel<<<mblocks, 256, 0, stream>>>(
-      stats.data_ptr<float>(), W, C, static_cast<float>(eps), has_m, has_m ? static_cast<float>(*momentum) : 0.f,
-      has_nbt ? num_batches_tracked->data_ptr<int64_t>() : nullptr,
-      running_mean.has_value() ? running_mean->data_ptr() : nullptr, param_dtype(running_mean),
-      running_var.has_value() ? running_var->data_ptr() : nullptr, param_dtype(running_var), saved.data_ptr<float>());
+  const RunningArgs r{static_cast<float>(eps),
+                      has_m,
+                      has_m ? static_cast<float>(*momentum) : 0.f,
+                      has_nbt ? num_batches_tracked->data_ptr<int64_t>() : nullptr,
+                      running_mean.has_value() ? running_mean->data_ptr() : nullptr,
+                      param_dtype(running_mean),
+                      running_var.has_value() ? running_var->data_ptr() : nullptr,
+                      param_dtype(running_var),
+                      saved.data_ptr<float>()};
+  const bool alone = !stats_opt.has_value() && x.numel() > 0;
+  if (alone && (has_m || !has_nbt)) {
+    // This rank alone, in two launches: its statistics partials, merged straight into saved.
+    const Dims d = dims_of(x, ncl);
+    const at::Tensor ws = launch_stats_partials(x, ncl, d, stream);
+    stats_merge_kernel<<<fin_blocks(C), kFinBlock, 0, stream>>>(ws.data_ptr<float>(), static_cast<int>(ws.size(0)), C,
+                                                                static_cast<float>(d.N * d.L), r);
+  } else {
+    // No stats given: this rank alone, whose statistics are taken here (syncbn_stats's launches).
+    const at::Tensor stats = stats_opt.has_value() ? *stats_opt : packed_stats(x, ncl, stream);
+    const int64_t W = stats.numel() / (2 * C + 1);
+    const unsigned mblocks = (!has_m && has_nbt) ? 1u : static_cast<unsigned>(std::min<int64_t>((C + 255) / 256, 1024));
+    merge_kernel<<<mblocks, 256, 0, stream>>>(stats.data_ptr<float>(), W, C, r);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t numel = x.numel();
   if (numel > 0) {
@@ -1332,9 +1425,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> launch_backward_reduce(const at::
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  const unsigned fblocks = static_cast<unsigned>((C + 7) / 8);
   APEX_PAR_DISPATCH_FLOAT(pdtype, P, [&] {
-    reduce_pack_kernel<P><<<fblocks, 256, 0, stream>>>(ws.data_ptr<float>(), S, C, m, sums.data_ptr<float>(),
+    reduce_pack_kernel<P><<<fin_blocks(C), kFinBlock, 0, stream>>>(ws.data_ptr<float>(), S, C, m, sums.data_ptr<float>(),
                                                         gw.data_ptr<P>(), gb.data_ptr<P>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
