@@ -260,7 +260,9 @@ def test_reference_statistics_are_per_row_float32():
 
 # -- CUDA: the kernels against the reference and against torch ---------------------------------
 
-CUDA_H = [1, 7, 8, 64, 100, 1000, 1024, 2048, 4104, 8192, 16384, 32768, 65536, 65539]
+# 12288: 16-bit rows of 4 vectors a thread whose last vectors are partly past the row (bwd_ring
+# with its bias sums in shared memory).
+CUDA_H = [1, 7, 8, 64, 100, 1000, 1024, 2048, 4104, 8192, 12288, 16384, 32768, 65536, 65539]
 
 
 @pytest.mark.cuda
@@ -366,9 +368,18 @@ BIG_SMEM = [("layer", 16384, torch.float32), ("layer", 16384, torch.bfloat16),
 
 
 @pytest.mark.cuda
-def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path):
-    """With a block's shared memory capped at sm_86's 99 KB (APEX_NORM_TUNE smem_kb, read once
-    per process: a fresh one), each backward takes a kernel that fits and is still right."""
+@pytest.mark.parametrize(
+    "tune",
+    [
+        "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
+        "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
+        "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
+    ],
+)
+def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path, tune):
+    """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
+    fresh one) or the ring and the one-pass forward off, each case takes another kernel and is
+    still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in BIG_SMEM]
     script.write_text(
@@ -384,7 +395,7 @@ def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path):
             """
         )
     )
-    env = {**os.environ, "APEX_NORM_TUNE": "smem_kb=99", "APEX_STRICT_KERNELS": "1"}
+    env = {**os.environ, "APEX_NORM_TUNE": tune, "APEX_STRICT_KERNELS": "1"}
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -399,6 +410,23 @@ def test_cuda_big_shared_memory_backward_on_each_device(norm, H, dtype):
     """A kernel's shared-memory opt-in is per device: the second device gets its own."""
     for device in ("cuda:0", "cuda:1"):
         backward_against_torch(norm, H, 1031, dtype, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_nan_and_inf_rows_stay_nan(dtype):
+    """A row holding a NaN or an inf comes out NaN (as torch's), whatever the moments' formula;
+    the other rows are untouched."""
+    H = 4096
+    x = make((6, H), dtype, "cuda", scale=2.0, shift=0.5)
+    x[1, 7] = float("nan")
+    x[3, 100] = float("inf")
+    x[4, 0] = float("-inf")
+    y = fused_layer_norm(x, (H,), 1e-5)
+    assert torch.isnan(y[[1, 3, 4]]).all()
+    good = [0, 2, 5]
+    expected = torch_layer_norm(x[good].double(), (H,), None, None, 1e-5)
+    torch.testing.assert_close(y[good].double(), expected, **tol(dtype))
 
 
 @pytest.mark.cuda

@@ -95,24 +95,26 @@ def test_backward_ops_match_the_unfused_ops(fuse_relu):
     )
 
 
-def _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu):
+def _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu, nbt=True):
     """syncbn_forward with stats None and syncbn_backward_local give what syncbn_stats +
-    syncbn_forward and syncbn_backward_reduce + syncbn_backward give, bit for bit."""
+    syncbn_forward and syncbn_backward_reduce + syncbn_backward give, bit for bit (with nbt False:
+    no num_batches_tracked, the one-launch merge of the CUDA path for any momentum)."""
     c = x.shape[1]
     dev = x.device
     bufs = [
         torch.randn(c, device=dev),
         torch.rand(c, device=dev) + 0.5,
-        torch.tensor(3, device=dev),
+        torch.tensor(3, device=dev) if nbt else None,
     ]
-    bufs2 = [t.clone() for t in bufs]
+    bufs2 = [t.clone() if t is not None else None for t in bufs]
     y, saved = ops.syncbn_forward(x, None, None, w, b, *bufs, 1e-5, momentum, fuse_relu)
     s = ops.syncbn_stats(x)
     y2, saved2 = ops.syncbn_forward(x, s, None, w, b, *bufs2, 1e-5, momentum, fuse_relu)
     assert torch.equal(y, y2) and y.stride() == y2.stride()
     assert torch.equal(saved, saved2)
     for a, e in zip(bufs, bufs2):  # an empty batch: unbiased variance nan in both
-        torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)
+        if a is not None:
+            torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)
     relu_out = y if fuse_relu else None
     gi, gw, gb = ops.syncbn_backward_local(g, x, saved, w, relu_out)
     sums, gw2, gb2 = ops.syncbn_backward_reduce(g, x, saved, w, relu_out)
@@ -123,13 +125,14 @@ def _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("momentum, fuse_relu", [(0.1, False), (None, True)])
-def test_one_rank_forms_match_the_two_op_forms(shape, momentum, fuse_relu):
+@pytest.mark.parametrize("nbt", [True, False], ids=["nbt", "no_nbt"])
+def test_one_rank_forms_match_the_two_op_forms(shape, momentum, fuse_relu, nbt):
     torch.manual_seed(0)
     x = torch.randn(shape) * 2 + 1
     g = torch.randn(shape)
     c = shape[1]
     w = torch.rand(c, dtype=torch.bfloat16) + 0.5
-    _one_rank_forms_match_the_two_op_forms(x, g, w, torch.randn(c), momentum, fuse_relu)
+    _one_rank_forms_match_the_two_op_forms(x, g, w, torch.randn(c), momentum, fuse_relu, nbt)
 
 
 def test_fused_ops_refuse_bad_input():
@@ -236,6 +239,24 @@ def test_cuda_fused_ops_match_reference(shape, layout, dtype):
         rdx = reference.syncbn_backward(g, x, rsaved, w, rsums, relu_out)
         assert dx.stride() == torch.empty_like(x).stride()
         torch.testing.assert_close(dx, rdx, atol=2 * atol, rtol=2 * rtol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(6, 5), (2, 40, 5, 3), (33, 40, 29, 31), BENCH], ids=str)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_cuda_one_rank_forms_match_without_num_batches_tracked(shape, layout, dtype, momentum):
+    """Without num_batches_tracked the one-rank forward merges its statistics in the launch that
+    finishes them, whatever the momentum: still the two-op path's bits."""
+    torch.manual_seed(0)
+    x = _layout((torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype), layout)
+    g = _layout(torch.randn(shape, device="cuda").to(dtype), layout)
+    c = shape[1]
+    w = torch.rand(c, device="cuda", dtype=dtype) + 0.5
+    _one_rank_forms_match_the_two_op_forms(
+        x, g, w, torch.randn(c, device="cuda"), momentum, False, nbt=False
+    )
 
 
 @pytest.mark.cuda

@@ -12,7 +12,8 @@
 // summing the weight gradients as it goes, and issues the loads of its next row before the
 // current row is reduced and written. The forward can do the same (APEX_NORM_TUNE fwd_waves),
 // but a block per rows measured faster (see Tune). A row's sums take one barrier (two alternating
-// shared-memory slots), and LayerNorm's mean and variance come from one reduction: each thread's
+// shared-memory slots), and LayerNorm's mean and variance come from one reduction: for 16-bit
+// input the sums of d = x - x[0] and d^2 (fwd_fast's one_pass); for float32 each thread's
 // (count, mean, M2), merged pairwise in a fixed order (Chan et al.), exact where sum and sum of
 // squares would cancel. The backward's fast kernel wants grad_output in the input's dtype (the
 // usual case); other mixes take "vec", the same layout without the packing and the prefetch.
@@ -261,11 +262,12 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
         }
       }
       r = rsqrtf(gsum(q, 0.f).x * inv_h + a.eps);
-    } else if (a.one_pass) {
+    } else if (sizeof(Tx) == 2 && a.one_pass) {
       // The row's sums of d = x - K and d^2 in one group sum (one barrier, as RMSNorm's), K the
       // row's first element: var = E[d^2] - E[d]^2. K is one of the row's values, so
       // (K - mean)^2 <= H * var and the cancellation costs at most log2(H + 1) bits of var's
-      // float32 in an adversarial row, about one bit in a typical one.
+      // float32 in an adversarial row (an outlier first), about one bit in a typical one: below
+      // a 16-bit output's rounding, not below float32's, so float32 input keeps the merge.
       const float K = live ? static_cast<float>(static_cast<const Tx*>(a.x)[row * a.H]) : 0.f;
       float s = 0.f, q = 0.f;
 #pragma unroll
@@ -283,7 +285,8 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
       const float2 t = gsum(s, q);
       const float dm = t.x * inv_h;
       mu = K + dm;
-      r = rsqrtf(fmaxf(t.y * inv_h - dm * dm, 0.f) + a.eps);
+      const float var = t.y * inv_h - dm * dm;
+      r = rsqrtf((var < 0.f ? 0.f : var) + a.eps);  // not fmaxf: a NaN row stays NaN (fast math)
     } else {
       // This thread's own moments, two passes over its registers, then one merge over the group.
       float s = 0.f, n = 0.f;
@@ -655,16 +658,16 @@ __device__ __forceinline__ void cp_async_wait(int n) {
 #endif
 }
 
-// The ring's layout in dynamic shared memory, after the weight/bias sums (when those live there):
-// data [S][2 (input, grad_output)][NV * C][threads] of 16 bytes (C = 16-byte chunks per vector),
-// then statistics [S][2 (rstd, mean)][threads] floats.
+// The ring's layout in dynamic shared memory: data [S][2 (input, grad_output)][NV * C][threads]
+// of 16 bytes (C = 16-byte chunks per vector), then statistics [S][2 (rstd, mean)][threads]
+// floats, then (ring_bias_in_smem) the bias sums [NV * kVec][threads] floats.
 template <typename Tx>
 __host__ __device__ constexpr int chunks_of() {
   return int(sizeof(Pack<Tx>) / 16);
 }
 
 // Whether bwd_ring takes rows of nv vectors a thread: its weight sums fit 32 floats of registers.
-__host__ __device__ constexpr bool ring_fits(int nv, bool rms) { return nv * kVec <= 32; }
+__host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv * kVec <= 32; }
 
 // Whether bwd_ring keeps LayerNorm's bias sums in shared memory: weight and bias sums together
 // would be more than 32 floats a thread.
@@ -998,10 +1001,10 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
 struct Tune {
   int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
   int fwd_pt16 = 8, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
-  int bwd_ring = 2;  // rows in bwd_ring's shared-memory ring (2 to 4); 0: bwd_vec instead
+  int bwd_ring = 2;  // rows in bwd_ring's ring (2 to 4); 0: off (bwd_vec, or bwd_fast as without the ring)
   int smem_kb = 0;   // >0: a block's shared memory capped at this many KB, as on a smaller GPU
-  // 1: LayerNorm's forward moments from shifted sums in one group sum; 0: each thread's moments,
-  // then a Chan merge over the group. Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
+  // 1: LayerNorm's forward moments for 16-bit input from shifted sums in one group sum; 0: each
+  // thread's moments, then a Chan merge over the group (float32 input always). Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
 };
@@ -1249,7 +1252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       const int threads = c.tx * c.ty;
       // 16-bit input with grad_output of its dtype takes bwd_ring where its sums fit the
       // registers (APEX_NORM_TUNE bwd_ring: its stages, fewer where the ring would cap the
-      // blocks at one per SM; 0: bwd_vec). float32 takes bwd_fast: the ring measured slower
+      // blocks at one per SM; 0: off, see pick). float32 takes bwd_fast: the ring measured slower
       // there (RMSNorm H=4096 fwd+bwd 66.7 % of copy against 87.4 %).
       const int chunks = int(sizeof(Pack<Tx>) / 16);
       int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;

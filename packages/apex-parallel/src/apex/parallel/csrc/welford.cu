@@ -368,7 +368,7 @@ __global__ void reduce_ncl_kernel(const T* __restrict__ dy, const T* __restrict_
 }
 
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads, 4)  // 4 blocks per SM: 63 registers (70 left 3)
+__global__ void __launch_bounds__(kThreads, 4)  // 4 blocks per SM: 63 registers, no spill (70: 3 blocks)
     reduce_mc_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_p, int64_t M,
                      int64_t C, int S, float* __restrict__ ws, const T* __restrict__ relu = nullptr) {
   __shared__ float sh[kRowsMC][32 * VEC][2];
@@ -1356,7 +1356,8 @@ std::tuple<at::Tensor, at::Tensor> syncbn_forward_cuda(
     stats_merge_kernel<<<fin_blocks(C), kFinBlock, 0, stream>>>(ws.data_ptr<float>(), static_cast<int>(ws.size(0)), C,
                                                                 static_cast<float>(d.N * d.L), r);
   } else {
-    // No stats given: this rank alone, whose statistics are taken here (syncbn_stats's launches).
+    // The ranks' packed stats (given, or this rank's taken here with syncbn_stats's launches),
+    // merged.
     const at::Tensor stats = stats_opt.has_value() ? *stats_opt : packed_stats(x, ncl, stream);
     const int64_t W = stats.numel() / (2 * C + 1);
     const unsigned mblocks = (!has_m && has_nbt) ? 1u : static_cast<unsigned>(std::min<int64_t>((C + 255) / 256, 1024));
