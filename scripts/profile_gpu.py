@@ -40,6 +40,15 @@ def kernels(prof):
     return sorted(out, key=lambda k: k[1])
 
 
+def kernel_line(ev, tensor_gb):
+    """One kernel of a profile: calls, device time per call, and one tensor's bytes over it."""
+    us = ev.device_time_total / ev.count
+    return (
+        f"  {ev.count:4d} x {us:8.1f} us  {tensor_gb / (us * 1e-6) / 1e3:6.2f} TB/s per "
+        f"tensor-pass  {ev.key[:90]}"
+    )
+
+
 def timeline(ks, limit=40):
     t0 = ks[0][1]
     busy = sum(e - s for _, s, e in ks)
@@ -141,12 +150,8 @@ def syncbn_profile():
             for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
                 if ev.device_time_total <= 0:
                     continue
-                us = ev.device_time_total / ev.count
                 tot += ev.device_time_total / 10
-                print(
-                    f"  {ev.count:4d} x {us:8.1f} us  {tensor_gb / (us * 1e-6) / 1e3:6.2f} TB/s per "
-                    f"tensor-pass  {ev.key[:90]}"
-                )
+                print(kernel_line(ev, tensor_gb))
             print(
                 f"  device time per fwd+bwd {tot:.1f} us = {100 * 5 * tensor_gb / (tot * 1e-6) / 1e3 / ceiling:.1f} % of copy (5 tensors)"
             )
@@ -189,11 +194,7 @@ def norm_profile_h(h, ceiling):
         print(f"norm {kind} bf16 [32768, {h}]: one tensor {gb:.3f} GB, copy {ceiling:.2f} TB/s")
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
             if ev.device_time_total > 0:
-                us = ev.device_time_total / ev.count
-                print(
-                    f"  {ev.count:4d} x {us:8.1f} us  {gb / (us * 1e-6) / 1e3:6.2f} TB/s per "
-                    f"tensor-pass  {ev.key[:100]}"
-                )
+                print(kernel_line(ev, gb))
 
 
 def syncbn_one():
