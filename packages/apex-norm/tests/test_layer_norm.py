@@ -261,8 +261,10 @@ def test_reference_statistics_are_per_row_float32():
 # -- CUDA: the kernels against the reference and against torch ---------------------------------
 
 # 12288: 16-bit rows of 4 vectors a thread whose last vectors are partly past the row (bwd_ring
-# with its bias sums in shared memory).
-CUDA_H = [1, 7, 8, 64, 100, 1000, 1024, 2048, 4104, 8192, 12288, 16384, 32768, 65536, 65539]
+# with its bias sums in shared memory). 8, 64, 256, 520, 1024: the forward's row groups narrower
+# than a warp (1 to 16 threads a row; 520's last vectors past the row).
+CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 4104, 8192, 12288, 16384, 32768, 65536,
+          65539]  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -373,13 +375,15 @@ BIG_SMEM = [("layer", 16384, torch.float32), ("layer", 16384, torch.bfloat16),
     [
         "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
-        "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
+        # the knobs' other kernels, the merged forward moments, the forward's run-time dtypes
+        "bwd_ring=0,ln_one_pass=0,fwd_same=0",
+        "fwd_maxreg=80",  # the 16-bit forward capped at 80 registers
     ],
 )
 def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
-    fresh one) or the ring and the one-pass forward off, each case takes another kernel and is
-    still right."""
+    fresh one), the ring, the one-pass forward or the forward's fixed dtypes off, or the forward
+    capped at 80 registers, each case takes another kernel and is still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in BIG_SMEM]
     script.write_text(

@@ -1,7 +1,7 @@
 // LayerNorm and RMSNorm, forward and backward, for float32, float16 and bfloat16 in any mix.
 //
-// One group of TX threads (a warp or more) owns a row; a block holds TY such groups. The input
-// dtype is a template parameter; weight, bias and output dtypes are read at run time (a uniform
+// One group of TX threads (a warp or more; in the forward, as few as one thread for short rows)
+// owns a row; a block holds TY such groups. The input dtype is a template parameter; weight, bias and output dtypes are read at run time (a uniform
 // branch per access, free next to the memory traffic), which keeps the number of instantiations
 // small while any dtype combination works. Statistics and sums are float32.
 //
@@ -10,8 +10,8 @@
 // packed: half the registers of float32), so the row is read from memory once. The backward's
 // grid is persistent (what fits on the GPU at once): each row group walks the rows r, r + G, ...,
 // summing the weight gradients as it goes, and issues the loads of its next row before the
-// current row is reduced and written. The forward can do the same (APEX_NORM_TUNE fwd_waves),
-// but a block per rows measured faster (see Tune). A row's sums take one barrier (two alternating
+// current row is reduced and written. The forward's grid can be persistent too (APEX_NORM_TUNE
+// fwd_waves, without the prefetch), but a block per rows measured faster (see Tune). A row's sums take one barrier (two alternating
 // shared-memory slots), and LayerNorm's mean and variance come from one reduction: for 16-bit
 // input the sums of d = x - x[0] and d^2 (fwd_fast's one_pass); for float32 each thread's
 // (count, mean, M2), merged pairwise in a fixed order (Chan et al.), exact where sum and sum of
@@ -113,6 +113,16 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sum over this thread's group of `width` lanes of its warp (a power of two, 32 or more: the
+// whole warp). The forward's row groups may be narrower than a warp (short rows).
+__device__ __forceinline__ float lane_sum(float v, unsigned width) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (unsigned(o) < width) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
 // Sum of `a` and `b` over the TX threads of this row group. Every thread of the block must call
 // it (it may hold __syncthreads); blockDim.x is a multiple of 32, blockDim.x * blockDim.y <= 1024.
 __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
@@ -165,17 +175,29 @@ __device__ __forceinline__ float elem(const Pack<T>& pk, int e) {
   return static_cast<float>(pk.v[e]);
 }
 
+// An empty asm on a packed 16-bit vector's words: the compiler must assume they changed, so it
+// converts them to float again at the next use instead of keeping the earlier conversions live.
+template <typename T>
+__device__ __forceinline__ void reconvert(Pack<T>& pk) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(pk.v);
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) asm volatile("" : "+r"(w[i]));
+  }
+}
+
 // Sums over the row group, one barrier per call: the partials of call k go to slot k % 2, and the
 // barrier of call k + 1 stands between the reads of call k and the writes of call k + 2. Every
-// thread of the block must make the same calls (rows past the end pass zeros).
+// thread of the block must make the same calls (rows past the end pass zeros). A group of a warp
+// or less (blockDim.x <= 32) sums with shuffles alone.
 struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
   int parity;
 
   __device__ __forceinline__ float2 operator()(float a, float b) {
-    a = warp_sum(a);
-    b = warp_sum(b);
-    if (blockDim.x == 32) return make_float2(a, b);
+    a = lane_sum(a, blockDim.x);
+    b = lane_sum(b, blockDim.x);
+    if (blockDim.x <= 32) return make_float2(a, b);
     float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
     parity ^= 1;
     if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float2(a, b);
@@ -206,12 +228,13 @@ __device__ __forceinline__ Moments merge(Moments lo, Moments hi) {
 __device__ __forceinline__ Moments group_moments(Moments m, float4* slots, int& parity) {
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
+    if (unsigned(o) >= blockDim.x) break;  // a group narrower than a warp
     const Moments other{__shfl_xor_sync(0xffffffffu, m.n, o),
                         __shfl_xor_sync(0xffffffffu, m.mean, o),
                         __shfl_xor_sync(0xffffffffu, m.m2, o)};
     m = (threadIdx.x & o) ? merge(other, m) : merge(m, other);
   }
-  if (blockDim.x == 32) return m;
+  if (blockDim.x <= 32) return m;
   float4* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
   parity ^= 1;
   if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float4(m.n, m.mean, m.m2, 0.f);
@@ -221,9 +244,36 @@ __device__ __forceinline__ Moments group_moments(Moments m, float4* slots, int& 
   return t;
 }
 
-// PF: prefetch the next row (off where two rows of registers would not fit: float32 at NV >= 4).
-template <typename Tx, int NV, bool RMS, bool PF>
-__global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
+// A vector of weight or bias in, of output out: in Tx where SAME (weight, bias and output in
+// the input's dtype, the usual case: no dtype branch, fewer registers), else in the run-time dtype.
+template <typename Tx, bool SAME>
+__device__ __forceinline__ void load_param_vec(const void* p, int dt, int64_t i, float (&o)[kVec]) {
+  if constexpr (SAME) {
+    load_vec<Tx>(p, i, o);
+  } else {
+    load_vec_dt(p, dt, i, o);
+  }
+}
+
+template <typename Tx, bool SAME>
+__device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
+  if constexpr (SAME) {
+    store_vec<Tx>(p, i, o);
+  } else {
+    store_vec_dt(p, dt, i, o);
+  }
+}
+
+// One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
+// then normalised and written from the registers. MAXREG caps a thread's registers (128: any
+// block of up to kMaxTX threads; 80: three blocks of 256 threads per SM, see Tune's fwd_maxreg).
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define APEX_NORM_MAXNREG(n) __maxnreg__(n)
+#else
+#define APEX_NORM_MAXNREG(n) __launch_bounds__(kMaxTX)  // no __maxnreg__ before CUDA 12.4: 128
+#endif
+template <typename Tx, int NV, bool RMS, bool SAME, int MAXREG>
+__global__ void APEX_NORM_MAXNREG(MAXREG) fwd_fast(FwdArgs a) {
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
   GroupSum gsum{reinterpret_cast<float2*>(slots), 0};
@@ -233,22 +283,12 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
   const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
   int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   Pack<Tx> cur[NV];
-  if (PF) {
+  for (int64_t it = 0; it < iters; ++it, row += G) {
+    const bool live = row < a.rows;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-      if (row < a.rows && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
-    }
-  }
-  for (int64_t it = 0; it < iters; ++it) {
-    const bool live = row < a.rows;
-    const int64_t next = row + G;
-    Pack<Tx> nxt[PF ? NV : 1];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {  // PF: in flight while this row is reduced and written
-      const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-      if (PF && next < a.rows && j < nvec) load_pack(a.x, next * a.H + j * kVec, nxt[PF ? k : 0]);
-      if (!PF && live && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
+      if (live && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
     }
     float mu = 0.f, r;
     if (RMS) {
@@ -321,13 +361,17 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
         if (!RMS) a.mean[row] = mu;
         a.rstd[row] = r;
       }
+      // Convert the packed 16-bit row again below rather than keep the sums' float copies (twice
+      // the registers): fewer registers, more blocks per SM.
+#pragma unroll
+      for (int k = 0; k < NV; ++k) reconvert(cur[k]);
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
         if (j < nvec) {
           float w[kVec], b[kVec], o[kVec];
-          if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-          if (!RMS && a.b) load_vec_dt(a.b, a.wt, j * kVec, b);
+          if (a.w) load_param_vec<Tx, SAME>(a.w, a.wt, j * kVec, w);
+          if (!RMS && a.b) load_param_vec<Tx, SAME>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             float y = (elem(cur[k], e) - mu) * r;
@@ -335,15 +379,10 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
             if (!RMS && a.b) y += b[e];
             o[e] = y;
           }
-          store_vec_dt(a.y, a.yt, row * a.H + j * kVec, o);
+          store_out_vec<Tx, SAME>(a.y, a.yt, row * a.H + j * kVec, o);
         }
       }
     }
-    if (PF) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) cur[k] = nxt[PF ? k : 0];
-    }
-    row = next;
   }
 }
 
@@ -968,13 +1007,13 @@ struct Config {
   int tx, ty, nv;  // nv == 0: the generic kernels
 };
 
-// Threads per row: enough that each holds about `per_thread` vectors (a warp at least, kMaxTX at
-// most); rows per block: up to 256 threads a block. The backward keeps more arrays per thread, so
-// it asks for fewer vectors each.
-Config pick(int64_t H, bool aligned, int max_nv, int per_thread) {
+// Threads per row: enough that each holds about `per_thread` vectors (min_tx at least: a warp for
+// the backward, one thread for the forward; kMaxTX at most); rows per block: up to 256 threads a
+// block. The backward keeps more arrays per thread, so it asks for fewer vectors each.
+Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
   if (aligned && H % kVec == 0 && H > 0) {
     const int64_t nvec = H / kVec;
-    int tx = 32;
+    int tx = min_tx;
     while (tx < kMaxTX && int64_t(tx) * per_thread < nvec) tx *= 2;
     int nv = 1;
     while (int64_t(tx) * nv < nvec) nv *= 2;
@@ -1007,11 +1046,14 @@ struct Tune {
   // thread's moments, then a Chan merge over the group (float32 input always). Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
+  int fwd_same = 1;  // 0: the forward reads weight and bias and writes its output in run-time dtypes always
+  int fwd_maxreg = 0;  // 80: the 16-bit forward (weight and output in its dtype) at 80 registers, else 128
 };
 
 int key_min(const std::string& key) {
   const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
-                       key == "ln_one_pass";
+                       key == "ln_one_pass" || key == "fwd_same" ||
+                       key == "fwd_maxreg";
   return zero_ok ? 0 : 1;
 }
 
@@ -1039,6 +1081,8 @@ const Tune& tune() {
         if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
         if (key == "smem_kb") v.smem_kb = val;
         if (key == "ln_one_pass") v.ln_one_pass = val;
+        if (key == "fwd_same") v.fwd_same = val;
+        if (key == "fwd_maxreg") v.fwd_maxreg = val;
       }
       pos = end + 1;
     }
@@ -1156,15 +1200,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
   const Config c =
-      pick(H, aligned, 8, input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt);
+      pick(H, aligned, 8, input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt, 1);
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
+  // Weight, bias and output all in the input's dtype: the kernels without a dtype branch.
+  const int xt = dt_of(op, "input", input);
+  const bool same = ((!weight && !bias) || wt == xt) && yt == xt && tune().fwd_same > 0;
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
-    auto fast = [&](auto kernel) {
+    auto fast = [&](auto nv_tag) {
+      constexpr int NV = decltype(nv_tag)::value;
+      auto kernel = same ? fwd_fast<Tx, NV, RMS, true, 128> : fwd_fast<Tx, NV, RMS, false, 128>;
+      if (same && sizeof(Tx) == 2 && tune().fwd_maxreg == 80) kernel = fwd_fast<Tx, NV, RMS, true, 80>;
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
-      // its rows with the next one in flight.
+      // its rows.
       const int64_t fit = tune().fwd_waves == 0
                               ? row_blocks
                               : resident_blocks(reinterpret_cast<const void*>(kernel), c.tx * c.ty,
@@ -1173,11 +1223,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
       kernel<<<blocks, block, 0, stream>>>(a);
     };
     switch (c.nv) {
-      // Prefetch where two rows fit in the registers: 16 bytes of a row per thread at most.
-      case 1: fast(fwd_fast<Tx, 1, RMS, true>); break;
-      case 2: fast(fwd_fast<Tx, 2, RMS, true>); break;
-      case 4: fast(fwd_fast<Tx, 4, RMS, sizeof(Tx) == 2>); break;
-      case 8: fast(fwd_fast<Tx, 8, RMS, false>); break;
+      case 1: fast(std::integral_constant<int, 1>{}); break;
+      case 2: fast(std::integral_constant<int, 2>{}); break;
+      case 4: fast(std::integral_constant<int, 4>{}); break;
+      case 8: fast(std::integral_constant<int, 8>{}); break;
       default:
         fwd_generic<Tx, RMS><<<static_cast<unsigned>(row_blocks), block, 0, stream>>>(a);
         break;
@@ -1239,7 +1288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             nullptr, nullptr, rows, H, static_cast<float>(eps), dyt, wt, dxt, memory_efficient};
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 4, xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt);
+  const Config c = pick(H, aligned, 4, xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt, 32);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
   const int device = xy.get_device();

@@ -1,0 +1,111 @@
+"""Host cost of apex-norm's eager calls on a GPU: microseconds per call of a loop of calls on a
+tiny input (the GPU idles, so the loop's time is the host's), for the apex modules, torch's
+modules, the bare ops, and a thin autograd.Function over the ops; then cProfile of the apex
+module's forward+backward. Usage: python scripts/host_norm.py [H] (default 1024)."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from apex.normalization import ops as norm_ops
+
+
+def per_call_us(f, reps=2000, rounds=5) -> float:
+    for _ in range(200):
+        f()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / reps * 1e6)
+    return best
+
+
+class _ThinRMS(torch.autograd.Function):
+    """The least Python an autograd.Function over the ops can have (no checks): a floor."""
+
+    @staticmethod
+    def forward(ctx, x, w, shape, eps):
+        out, invvar = torch.ops.apex_norm.rms_norm_fwd.default(x, w, shape, eps, False, None)
+        ctx.save_for_backward(x, invvar, w)
+        ctx.shape, ctx.eps = shape, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, invvar, w = ctx.saved_tensors
+        gi, gw = torch.ops.apex_norm.rms_norm_bwd.default(
+            g, invvar, x, ctx.shape, w, ctx.eps, False, None
+        )
+        return gi, gw, None, None
+
+
+class ThinRMS(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h, device="cuda", dtype=torch.bfloat16))
+        self.shape = [h]
+
+    def forward(self, x):
+        return _ThinRMS.apply(x, self.weight, self.shape, 1e-5)
+
+
+def main() -> None:
+    h = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    dt = torch.bfloat16
+    x = torch.randn(4, h, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn(4, h, device="cuda", dtype=dt)
+    norm_ops.OPS.ensure_loaded()
+    mods = {
+        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
+        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
+        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
+        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
+        "thin Function (floor)": ThinRMS(h),
+    }
+    print(
+        f"host us per call, [4, {h}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    for name, m in mods.items():
+        params = list(m.parameters())
+
+        def fwd(m=m):
+            with torch.no_grad():
+                m(x)
+
+        def step(m=m, params=params):
+            torch.autograd.grad(m(x), [x, *params], dy)
+
+        print(f"{name:24s} fwd {per_call_us(fwd):7.1f}   fwd+bwd {per_call_us(step):7.1f}")
+    w = mods["thin Function (floor)"].weight
+    op = torch.ops.apex_norm.rms_norm_fwd
+    xd = x.detach()
+    print(f"{'op packet call':24s} {per_call_us(lambda: op(xd, w, [h], 1e-5, False, None)):7.1f}")
+    print(
+        f"{'op .default call':24s} {per_call_us(lambda: op.default(xd, w, [h], 1e-5, False, None)):7.1f}"
+    )
+    print(f"{'torch.empty_like':24s} {per_call_us(lambda: torch.empty_like(xd)):7.1f}")
+    m = mods["apex FusedRMSNorm"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3000):
+        torch.autograd.grad(m(x), [x, m.weight], dy)
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main()
