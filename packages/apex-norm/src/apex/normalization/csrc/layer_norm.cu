@@ -265,15 +265,11 @@ __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const 
 }
 
 // One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
-// then normalised and written from the registers. MAXREG caps a thread's registers (128: any
-// block of up to kMaxTX threads; 80: three blocks of 256 threads per SM, see Tune's fwd_maxreg).
-#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
-#define APEX_NORM_MAXNREG(n) __maxnreg__(n)
-#else
-#define APEX_NORM_MAXNREG(n) __launch_bounds__(kMaxTX)  // no __maxnreg__ before CUDA 12.4: 128
-#endif
-template <typename Tx, int NV, bool RMS, bool SAME, int MAXREG>
-__global__ void APEX_NORM_MAXNREG(MAXREG) fwd_fast(FwdArgs a) {
+// then normalised and written from the registers. Two kernels run it: fwd_fast (blocks of up to
+// kMaxTX threads, so 128 registers at most) and fwd_fast_r80 (80 registers: three blocks of 256
+// threads per SM; see Tune's fwd_maxreg).
+template <typename Tx, int NV, bool RMS, bool SAME>
+__device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
   GroupSum gsum{reinterpret_cast<float2*>(slots), 0};
@@ -384,6 +380,21 @@ __global__ void APEX_NORM_MAXNREG(MAXREG) fwd_fast(FwdArgs a) {
       }
     }
   }
+}
+
+template <typename Tx, int NV, bool RMS, bool SAME>
+__global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
+  fwd_rows<Tx, NV, RMS, SAME>(a);
+}
+
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define APEX_NORM_MAXNREG_80 __maxnreg__(80)
+#else
+#define APEX_NORM_MAXNREG_80 __launch_bounds__(kMaxTX)  // no __maxnreg__ before CUDA 12.4
+#endif
+template <typename Tx, int NV, bool RMS>
+__global__ void APEX_NORM_MAXNREG_80 fwd_fast_r80(FwdArgs a) {
+  fwd_rows<Tx, NV, RMS, true>(a);
 }
 
 template <typename Tx, bool RMS>
@@ -1211,8 +1222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     using Tx = decltype(tag);
     auto fast = [&](auto nv_tag) {
       constexpr int NV = decltype(nv_tag)::value;
-      auto kernel = same ? fwd_fast<Tx, NV, RMS, true, 128> : fwd_fast<Tx, NV, RMS, false, 128>;
-      if (same && sizeof(Tx) == 2 && tune().fwd_maxreg == 80) kernel = fwd_fast<Tx, NV, RMS, true, 80>;
+      auto kernel = same ? fwd_fast<Tx, NV, RMS, true> : fwd_fast<Tx, NV, RMS, false>;
+      if (same && sizeof(Tx) == 2 && tune().fwd_maxreg == 80) kernel = fwd_fast_r80<Tx, NV, RMS>;
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
       // its rows.
       const int64_t fit = tune().fwd_waves == 0
