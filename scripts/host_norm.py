@@ -87,14 +87,33 @@ def main() -> None:
             torch.autograd.grad(m(x), [x, *params], dy)
 
         print(f"{name:24s} fwd {per_call_us(fwd):7.1f}   fwd+bwd {per_call_us(step):7.1f}")
-    w = mods["thin Function (floor)"].weight
+    # The ops alone, on tensors that need no gradient (no autograd kernel runs).
+    w = mods["thin Function (floor)"].weight.detach()
     op = torch.ops.apex_norm.rms_norm_fwd
     xd = x.detach()
-    print(f"{'op packet call':24s} {per_call_us(lambda: op(xd, w, [h], 1e-5, False, None)):7.1f}")
-    print(
-        f"{'op .default call':24s} {per_call_us(lambda: op.default(xd, w, [h], 1e-5, False, None)):7.1f}"
-    )
-    print(f"{'torch.empty_like':24s} {per_call_us(lambda: torch.empty_like(xd)):7.1f}")
+    calls = {
+        "apex_norm op packet": lambda: op(xd, w, [h], 1e-5, False, None),
+        "apex_norm op .default": lambda: op.default(xd, w, [h], 1e-5, False, None),
+        "aten native_layer_norm": lambda: torch.ops.aten.native_layer_norm.default(
+            xd, [h], w, None, 1e-5
+        ),
+        "torch.rms_norm": lambda: torch.rms_norm(xd, [h], w, 1e-5),
+        "torch.empty_like": lambda: torch.empty_like(xd),
+    }
+    for name, f in calls.items():
+        print(f"{name:24s} {per_call_us(f):7.1f}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(200):
+            calls["apex_norm op .default"]()
+        for _ in range(200):
+            calls["aten native_layer_norm"]()
+        m = mods["apex FusedRMSNorm"]
+        for _ in range(200):
+            torch.autograd.grad(m(x), [x, m.weight], dy)
+    torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     m = mods["apex FusedRMSNorm"]
     prof = cProfile.Profile()
     prof.enable()

@@ -356,6 +356,80 @@ def test_opcheck_cuda():
         opcheck(op, args)
 
 
+def _both_paths(norm_kind, x, w, b, H, memory_efficient):
+    """(the functional form, the autograd Function) of one norm, and the inputs they take."""
+    if norm_kind == "layer":
+        return (
+            lambda: fln.fused_layer_norm_affine(x, w, b, (H,), 1e-5, memory_efficient),
+            lambda: fln.FusedLayerNormAffineFunction.apply(x, w, b, (H,), 1e-5, memory_efficient),
+            [t for t in (x, w, b) if t is not None],
+        )
+    return (
+        lambda: fln.fused_rms_norm_affine(x, w, (H,), 1e-5, memory_efficient),
+        lambda: fln.FusedRMSNormAffineFunction.apply(x, w, (H,), 1e-5, memory_efficient),
+        [t for t in (x, w) if t is not None],
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_cuda_eager_path_is_the_cpp_autograd_and_matches_the_functions(
+    norm_kind, dtype, affine, memory_efficient
+):
+    """On CUDA, with the kernels loaded, the functional forms (so the modules) call the forward op
+    directly, differentiated by the library's C++ autograd (csrc/autograd.cpp); its output and
+    gradients are those of the autograd Functions bit for bit."""
+    assert ops.OPS.ensure_loaded()
+    H = 256
+    x = make((33, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w = param((H,), dtype, "cuda") if affine else None
+    b = param((H,), dtype, "cuda") if affine and norm_kind == "layer" else None
+    fast, slow, ins = _both_paths(norm_kind, x, w, b, H, memory_efficient)
+    y, y_ref = fast(), slow()
+    name = "LayerNormFn" if norm_kind == "layer" else "RmsNormFn"
+    assert name in y.grad_fn.name(), y.grad_fn.name()
+    assert name not in y_ref.grad_fn.name()
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    for got, want in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_ref, ins, dy)):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert fast().grad_fn is None
+
+
+@pytest.mark.cuda
+def test_cuda_eager_path_refuses_double_backward_through_memory_efficient():
+    assert ops.OPS.ensure_loaded()
+    x = make((4, 64), torch.float32, "cuda", requires_grad=True)
+    for m in (
+        norm.FusedLayerNorm(64, memory_efficient=True),
+        norm.FusedRMSNorm(64, memory_efficient=True),
+    ):
+        y = m.cuda()(x)
+        with pytest.raises(RuntimeError, match="memory_efficient=False for double backward"):
+            torch.autograd.grad(y.sum(), [x], create_graph=True)
+
+
+@pytest.mark.cuda
+def test_cuda_eager_path_falls_back_where_it_does_not_apply():
+    """A bias of another dtype than the weight, and float64, keep the autograd Functions (grad_fn
+    a Python node) and still give the right answer."""
+    assert ops.OPS.ensure_loaded()
+    H = 64
+    x = make((5, H), torch.float32, "cuda", requires_grad=True)
+    w, b = param((H,), torch.float32, "cuda"), param((H,), torch.bfloat16, "cuda")
+    y = fln.fused_layer_norm_affine(x, w, b, (H,), 1e-5)
+    assert "LayerNormFn" not in y.grad_fn.name()
+    torch.testing.assert_close(y, F.layer_norm(x, (H,), w, b.float(), 1e-5), atol=1e-5, rtol=1e-5)
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = fln.fused_rms_norm_affine(x64, w.double(), (H,), 1e-5)
+    assert "RmsNormFn" not in y64.grad_fn.name()
+    torch.testing.assert_close(y64, rms_norm(x64, (H,), w.double(), 1e-5))
+
+
 @pytest.mark.cuda
 @needs_function_size_args
 def test_compile_fullgraph_cuda_inductor():

@@ -19,7 +19,9 @@ fits). When the library cannot be had, CUDA falls back to the reference after on
 ``mean`` and ``invvar`` are float32 (float64 for float64 input), 1-D, one per row (the input's
 leading dimensions flattened). A missing weight or bias gives an empty (shape [0]) gradient. The
 forward ops are differentiable themselves (``OpLibrary.register_autograd``, which also serves
-torch 2.3); the apex autograd Functions in fused_layer_norm.py call them too. The ops expect valid
+torch 2.3; on CUDA, once apex_norm_C is loaded, its C++ autograd in csrc/autograd.cpp takes over,
+the same math with less host time); the apex autograd Functions in fused_layer_norm.py call them
+too, below autograd. The ops expect valid
 arguments: the functions in this module and in fused_layer_norm.py check them first
 (``validate``).
 """
@@ -32,6 +34,8 @@ import operator
 from collections.abc import Sequence
 
 import torch
+
+from apex.multi_tensor_apply.build import loader as _loader
 
 from . import reference
 from ._kernels import NORM
@@ -144,6 +148,11 @@ def _define():
 
 # Schemas, references, fakes, and the CUDA loaders that fetch apex_norm_C on first use.
 OPS = _define()
+
+
+def kernels_loaded() -> bool:
+    """Whether apex_norm_C is loaded (its CUDA kernels and their C++ autograd registered)."""
+    return _loader.loaded(NORM) is not None
 
 
 # -- autograd of the forward ops -------------------------------------------------------------
