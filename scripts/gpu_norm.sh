@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for apex-norm (2026-12-04): compile, the `cuda` tests of apex-norm, then, each
-# when asked: SWEEP=1 the forward's register caps and fixed-dtype kernels (APEX_NORM_TUNE fwd_r80,
-# fwd_same) and the backward's vectors per thread at H=1024; HOST=1 the host cost per eager call
+# when asked: SWEEP=1 the forward's register caps and fixed-dtype kernels (APEX_NORM_TUNE fwd_r80)
+# and the backward's vectors per thread at H=1024; HOST=1 the host cost per eager call
 # (scripts/host_norm.py); BENCH=1 bench_norm (bf16 every H, fp32 H=4096; ours, torch eager,
 # torch.compile). Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
@@ -15,7 +15,7 @@ grep -E "compiled|cache in|rc=|passed|failed" "$OUT/summary.txt" | tail -8
 export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
 if [ "${SWEEP:-0}" = 1 ]; then
   SWEEP_H=1024,2048,4096,16384 timeout 200 bash scripts/norm_sweep.sh \
-    "fwd_r80=0" "fwd_r80=1" "fwd_r80=3" "fwd_same=0" > "$OUT/sweep_fwd.txt" 2>&1
+    "fwd_r80=0" "fwd_r80=1" "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1
   grep " fwd " "$OUT/sweep_fwd.txt"
   SWEEP_H=1024 timeout 60 bash scripts/norm_sweep.sh "bwd_pt16=1" "bwd_pt16=4" > "$OUT/sweep_bwd.txt" 2>&1
   grep "fwd+bwd" "$OUT/sweep_bwd.txt" "$OUT/sweep_fwd.txt" | grep "1024\]"

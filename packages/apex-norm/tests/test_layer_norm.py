@@ -375,15 +375,14 @@ BIG_SMEM = [("layer", 16384, torch.float32), ("layer", 16384, torch.bfloat16),
     [
         "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
-        # the knobs' other kernels, the merged forward moments, the forward's run-time dtypes
-        "bwd_ring=0,ln_one_pass=0,fwd_same=0",
-        "fwd_r80=2",  # the 16-bit forward: LayerNorm at 128 registers, RMSNorm at 80
+        "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
+        "fwd_r80=2",  # the 16-bit forward: LayerNorm through fwd_fast, RMSNorm through fwd_fast_r80
     ],
 )
 def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
-    fresh one), the ring, the one-pass forward or the forward's fixed dtypes off, or the
-    forward's register caps swapped, each case takes another kernel and is still right."""
+    fresh one), the ring or the one-pass forward off, or the forward kernels of LayerNorm and
+    RMSNorm swapped, each case takes another kernel and is still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in BIG_SMEM]
     script.write_text(

@@ -4,6 +4,10 @@
 // is the host time of a Python autograd.Function per call (about 30 us a forward+backward on the
 // H200's host), which at small rows was longer than the kernels.
 //
+// The gradients of the statistics outputs are not materialised (they are not differentiable, and
+// zeros for them cost an allocation and a fill kernel per backward, which at small rows was a
+// quarter of the host time).
+//
 // Forward and backward call the ops themselves below autograd through the dispatcher, so the CUDA
 // kernels run for real tensors and the fakes for FakeTensors (torch.compile, opcheck). Under
 // create_graph=True (grad mode on in backward) the gradients come, as in ops.grads_with_graph,
@@ -130,14 +134,17 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
     ctx->save_for_backward({me ? out : input, me ? at::Tensor() : mean, invvar,
                             weight.value_or(at::Tensor()), bias.value_or(at::Tensor())});
     ctx->mark_non_differentiable({mean, invvar});
+    ctx->set_materialize_grads(false);  // no zeros for mean's and invvar's gradients (see below)
     return {out, mean, invvar};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<LnBwd>("apex_norm::layer_norm_bwd");
     const variable_list s = ctx->get_saved_variables();  // x or y, mean, invvar, weight, bias
-    variable_list g3;
-    if (at::GradMode::is_enabled()) {
+    variable_list g3(3);
+    if (!grads[0].defined()) {
+      // The output took no part in what is differentiated: no gradients.
+    } else if (at::GradMode::is_enabled()) {
       g3 = grads_with_graph(ctx, false, grads[0], s[0], s[3], s[4]);
     } else {
       at::AutoDispatchBelowADInplaceOrView below;
@@ -166,14 +173,17 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     save_args(ctx, shape, eps, me, input, out);
     ctx->save_for_backward({me ? out : input, invvar, weight.value_or(at::Tensor())});
     ctx->mark_non_differentiable({invvar});
+    ctx->set_materialize_grads(false);
     return {out, invvar};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<RmsBwd>("apex_norm::rms_norm_bwd");
     const variable_list s = ctx->get_saved_variables();  // x or y, invvar, weight
-    variable_list g3;
-    if (at::GradMode::is_enabled()) {
+    variable_list g3(3);
+    if (!grads[0].defined()) {
+      // The output took no part in what is differentiated: no gradients.
+    } else if (at::GradMode::is_enabled()) {
       g3 = grads_with_graph(ctx, true, grads[0], s[0], s[2], at::Tensor());
     } else {
       at::AutoDispatchBelowADInplaceOrView below;

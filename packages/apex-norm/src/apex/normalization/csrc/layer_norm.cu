@@ -244,20 +244,20 @@ __device__ __forceinline__ Moments group_moments(Moments m, float4* slots, int& 
   return t;
 }
 
-// A vector of weight or bias in, of output out: in Tx where SAME (weight, bias and output in
-// the input's dtype, the usual case: no dtype branch, fewer registers), else in the run-time dtype.
-template <typename Tx, bool SAME>
+// A vector of weight or bias in, of output out: in Tx where LEAN (weight, bias and output in the
+// input's dtype, the usual case: no dtype branch, fewer registers), else in the run-time dtype.
+template <typename Tx, bool LEAN>
 __device__ __forceinline__ void load_param_vec(const void* p, int dt, int64_t i, float (&o)[kVec]) {
-  if constexpr (SAME) {
+  if constexpr (LEAN) {
     load_vec<Tx>(p, i, o);
   } else {
     load_vec_dt(p, dt, i, o);
   }
 }
 
-template <typename Tx, bool SAME>
+template <typename Tx, bool LEAN>
 __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
-  if constexpr (SAME) {
+  if constexpr (LEAN) {
     store_vec<Tx>(p, i, o);
   } else {
     store_vec_dt(p, dt, i, o);
@@ -265,10 +265,12 @@ __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const 
 }
 
 // One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
-// then normalised and written from the registers. Two kernels run it: fwd_fast (blocks of up to
-// kMaxTX threads, so 128 registers at most) and fwd_fast_r80 (80 registers: three blocks of 256
-// threads per SM; see Tune's fwd_r80).
-template <typename Tx, int NV, bool RMS, bool SAME>
+// then normalised and written from the registers. Two kernels run it: fwd_fast (any dtypes; blocks
+// of up to kMaxTX threads, so 128 registers at most) and fwd_fast_r80 (LEAN: weight, bias and
+// output in the input's 16-bit dtype, the row converted to float again for the output rather than
+// kept as floats from the sums; 80 registers, three blocks of 256 threads per SM; see Tune's
+// fwd_r80).
+template <typename Tx, int NV, bool RMS, bool LEAN>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
@@ -357,17 +359,19 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
         if (!RMS) a.mean[row] = mu;
         a.rstd[row] = r;
       }
-      // Convert the packed 16-bit row again below rather than keep the sums' float copies (twice
-      // the registers): fewer registers, more blocks per SM.
+      if constexpr (LEAN) {
+        // Convert the packed 16-bit row again below rather than keep the sums' float copies
+        // (twice the registers).
 #pragma unroll
-      for (int k = 0; k < NV; ++k) reconvert(cur[k]);
+        for (int k = 0; k < NV; ++k) reconvert(cur[k]);
+      }
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
         if (j < nvec) {
           float w[kVec], b[kVec], o[kVec];
-          if (a.w) load_param_vec<Tx, SAME>(a.w, a.wt, j * kVec, w);
-          if (!RMS && a.b) load_param_vec<Tx, SAME>(a.b, a.wt, j * kVec, b);
+          if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
+          if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             float y = (elem(cur[k], e) - mu) * r;
@@ -375,16 +379,16 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
             if (!RMS && a.b) y += b[e];
             o[e] = y;
           }
-          store_out_vec<Tx, SAME>(a.y, a.yt, row * a.H + j * kVec, o);
+          store_out_vec<Tx, LEAN>(a.y, a.yt, row * a.H + j * kVec, o);
         }
       }
     }
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool SAME>
+template <typename Tx, int NV, bool RMS>
 __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
-  fwd_rows<Tx, NV, RMS, SAME>(a);
+  fwd_rows<Tx, NV, RMS, false>(a);
 }
 
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
@@ -1057,19 +1061,17 @@ struct Tune {
   // thread's moments, then a Chan merge over the group (float32 input always). Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
-  int fwd_same = 1;  // 0: the forward reads weight and bias and writes its output in run-time dtypes always
-  // The 16-bit forward (weight and output in its dtype) at 80 registers (fwd_fast_r80), else at
-  // 128: bit 1 LayerNorm, bit 2 RMSNorm. Measured on an H200 (2026-12-04 02:2x, bf16 fwd, % of
-  // copy at H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 / 89.3 at 80 against
-  // 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 at 80 against 78.3 / 82.2 /
-  // 82.8 / 88.8 (its 80 spills 16 bytes).
+  // The 16-bit forward (weight, bias and output in its dtype) through fwd_fast_r80, else fwd_fast:
+  // bit 1 LayerNorm, bit 2 RMSNorm. Measured on an H200 (2026-12-04 02:2x, bf16 fwd, % of copy at
+  // H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 / 89.3 through it against
+  // 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 against 79.6 / 85.1 / 84.3 /
+  // 86.9 (its 80 registers spill 16 bytes).
   int fwd_r80 = 1;
 };
 
 int key_min(const std::string& key) {
   const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
-                       key == "ln_one_pass" || key == "fwd_same" ||
-                       key == "fwd_r80";
+                       key == "ln_one_pass" || key == "fwd_r80";
   return zero_ok ? 0 : 1;
 }
 
@@ -1097,7 +1099,6 @@ const Tune& tune() {
         if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
         if (key == "smem_kb") v.smem_kb = val;
         if (key == "ln_one_pass") v.ln_one_pass = val;
-        if (key == "fwd_same") v.fwd_same = val;
         if (key == "fwd_r80") v.fwd_r80 = val;
       }
       pos = end + 1;
@@ -1202,11 +1203,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
       c10::multiply_integers(input.sizes().slice(0, input.dim() - normalized_shape.size()));
   at::Tensor out = at::empty(input.sizes(), input.options().dtype(out_dtype.value_or(input.scalar_type())));
   const int yt = dt_of(op, "out_dtype", out);
-  at::Tensor mean = at::empty({RMS ? 0 : rows}, input.options().dtype(at::kFloat));
+  // RMSNorm has no mean (its op returns none): no allocation for it.
+  at::Tensor mean = RMS ? at::Tensor() : at::empty({rows}, input.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({rows}, input.options().dtype(at::kFloat));
   if (rows == 0) return {out, mean, rstd};
   if (H == 0) {
-    mean.fill_(std::numeric_limits<float>::quiet_NaN());
+    if (!RMS) mean.fill_(std::numeric_limits<float>::quiet_NaN());
     rstd.fill_(std::numeric_limits<float>::quiet_NaN());
     return {out, mean, rstd};
   }
@@ -1220,15 +1222,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  // Weight, bias and output all in the input's dtype: the kernels without a dtype branch.
+  // Weight, bias and output all in the input's dtype: fwd_fast_r80 may run (see Tune's fwd_r80).
   const int xt = dt_of(op, "input", input);
-  const bool same = ((!weight && !bias) || wt == xt) && yt == xt && tune().fwd_same > 0;
+  const bool same = ((!weight && !bias) || wt == xt) && yt == xt;
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
     auto fast = [&](auto nv_tag) {
       constexpr int NV = decltype(nv_tag)::value;
-      auto kernel = same ? fwd_fast<Tx, NV, RMS, true> : fwd_fast<Tx, NV, RMS, false>;
-      if (same && sizeof(Tx) == 2 && (tune().fwd_r80 & (RMS ? 2 : 1))) kernel = fwd_fast_r80<Tx, NV, RMS>;
+      auto kernel = fwd_fast<Tx, NV, RMS>;
+      if constexpr (sizeof(Tx) == 2) {
+        if (same && (tune().fwd_r80 & (RMS ? 2 : 1))) kernel = fwd_fast_r80<Tx, NV, RMS>;
+      }
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
       // its rows.
       const int64_t fit = tune().fwd_waves == 0
@@ -1292,10 +1296,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const int dxt = dt_of(op, "grad_input_dtype", dx);
   const auto f32 = xy.options().dtype(at::kFloat);
   at::Tensor gw = weight ? at::empty(weight->sizes(), weight->options()) : at::empty({0}, f32);
-  at::Tensor gb = bias ? at::empty(bias->sizes(), bias->options()) : at::empty({0}, f32);
+  // RMSNorm has no bias gradient (its op returns none): no allocation for it (one is a few us of
+  // host time, which at small rows is the call's cost).
+  at::Tensor gb = bias ? at::empty(bias->sizes(), bias->options()) : (RMS ? at::Tensor() : at::empty({0}, f32));
   if (rows == 0 || H == 0) {
     gw.zero_();
-    gb.zero_();
+    if (gb.defined()) gb.zero_();
     return {dx, gw, gb};
   }
   const bool want_w = weight.has_value(), want_b = bias.has_value();
