@@ -265,11 +265,11 @@ __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const 
 }
 
 // One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
-// then normalised and written from the registers. Two kernels run it: fwd_fast (any dtypes; blocks
-// of up to kMaxTX threads, so 128 registers at most) and fwd_fast_r80 (LEAN: weight, bias and
-// output in the input's 16-bit dtype, the row converted to float again for the output rather than
-// kept as floats from the sums; 80 registers, three blocks of 256 threads per SM; see Tune's
-// fwd_r80).
+// then normalised and written from the registers. LEAN: weight, bias and output in the input's
+// 16-bit dtype (no dtype branches), and the row converted to float again for the output rather
+// than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 81 registers, not 126).
+// Two kernels run it: fwd_fast (blocks of up to kMaxTX threads, so 128 registers at most) and
+// fwd_fast_r80 (LEAN at 80 registers: three blocks of 256 threads per SM); see Tune's fwd_r80.
 template <typename Tx, int NV, bool RMS, bool LEAN>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
@@ -386,9 +386,9 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   }
 }
 
-template <typename Tx, int NV, bool RMS>
+template <typename Tx, int NV, bool RMS, bool LEAN>
 __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
-  fwd_rows<Tx, NV, RMS, false>(a);
+  fwd_rows<Tx, NV, RMS, LEAN>(a);
 }
 
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
@@ -1061,11 +1061,12 @@ struct Tune {
   // thread's moments, then a Chan merge over the group (float32 input always). Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
-  // The 16-bit forward (weight, bias and output in its dtype) through fwd_fast_r80, else fwd_fast:
-  // bit 1 LayerNorm, bit 2 RMSNorm. Measured on an H200 (2026-12-04 02:2x, bf16 fwd, % of copy at
-  // H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 / 89.3 through it against
-  // 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 against 79.6 / 85.1 / 84.3 /
-  // 86.9 (its 80 registers spill 16 bytes).
+  // The 16-bit forward (weight, bias and output in its dtype) through fwd_fast_r80, else through
+  // fwd_fast's LEAN variant: bit 1 LayerNorm, bit 2 RMSNorm. Measured on an H200 (2026-12-04
+  // 02:2x, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 /
+  // 89.3 through it against 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 against
+  // 78.3 / 82.2 / 82.8 / 88.8 (its 80 registers spill 16 bytes). RMSNorm through fwd_fast without
+  // LEAN (02:47): 68.9 / 72.7 / 68.5 / 70.9, slower than either.
   int fwd_r80 = 1;
 };
 
@@ -1229,9 +1230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     using Tx = decltype(tag);
     auto fast = [&](auto nv_tag) {
       constexpr int NV = decltype(nv_tag)::value;
-      auto kernel = fwd_fast<Tx, NV, RMS>;
+      auto kernel = fwd_fast<Tx, NV, RMS, false>;
       if constexpr (sizeof(Tx) == 2) {
-        if (same && (tune().fwd_r80 & (RMS ? 2 : 1))) kernel = fwd_fast_r80<Tx, NV, RMS>;
+        if (same) {
+          kernel = (tune().fwd_r80 & (RMS ? 2 : 1)) ? fwd_fast_r80<Tx, NV, RMS> : fwd_fast<Tx, NV, RMS, true>;
+        }
       }
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
       // its rows.
