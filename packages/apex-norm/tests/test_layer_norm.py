@@ -201,13 +201,16 @@ def test_memory_efficient_saves_the_output():
         (torch.float32, torch.float64, torch.float32),
     ],
 )
-def test_mixed_input_and_weight_dtypes(xdtype, wdtype, out):
-    x = make((4, 32), xdtype, requires_grad=True)
-    w, b = param((32,), wdtype), param((32,), wdtype)
-    y = fused_layer_norm_affine(x, w, b, (32,), 1e-5)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_mixed_input_and_weight_dtypes(xdtype, wdtype, out, device):
+    # CUDA: H=1024, the vectorised forward with run-time dtypes (16-bit input, other weights).
+    H = 32 if device == "cpu" else 1024
+    x = make((4, H), xdtype, device, requires_grad=True)
+    w, b = param((H,), wdtype, device), param((H,), wdtype, device)
+    y = fused_layer_norm_affine(x, w, b, (H,), 1e-5)
     assert y.dtype == out
     torch.testing.assert_close(
-        y.double(), torch_layer_norm(x, (32,), w, b, 1e-5), **tol(out, xdtype, wdtype)
+        y.double(), torch_layer_norm(x, (H,), w, b, 1e-5), **tol(out, xdtype, wdtype)
     )
     gx, gw, gb = torch.autograd.grad(y.float().sum(), [x, w, b])
     assert (gx.dtype, gw.dtype, gb.dtype) == (xdtype, wdtype, wdtype)
