@@ -9,6 +9,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 export OUT=${OUT:-$ROOT/gpu-out} APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
+mkdir -p "$OUT"
 TESTS="packages/apex-norm/tests=240" TEST_JOBS=6 TEST_PARALLEL=1 \
   PYTEST_ARGS="-m cuda" SKIP_BENCH=1 bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
 grep -E "compiled|cache in|rc=|passed|failed" "$OUT/summary.txt" | tail -8

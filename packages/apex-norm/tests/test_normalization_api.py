@@ -356,45 +356,70 @@ def test_opcheck_cuda():
         opcheck(op, args)
 
 
-def _both_paths(norm_kind, x, w, b, H, memory_efficient):
-    """(the functional form, the autograd Function) of one norm, and the inputs they take."""
+def _both_paths(norm_kind, x, w, b, H, memory_efficient, mixed):
+    """(the functional form, the autograd Function) of one norm."""
     if norm_kind == "layer":
-        return (
-            lambda: fln.fused_layer_norm_affine(x, w, b, (H,), 1e-5, memory_efficient),
-            lambda: fln.FusedLayerNormAffineFunction.apply(x, w, b, (H,), 1e-5, memory_efficient),
-            [t for t in (x, w, b) if t is not None],
+        form = fln.mixed_dtype_fused_layer_norm_affine if mixed else fln.fused_layer_norm_affine
+        fn = (
+            fln.FusedLayerNormAffineMixedDtypesFunction
+            if mixed
+            else fln.FusedLayerNormAffineFunction
         )
+        return (
+            lambda: form(x, w, b, (H,), 1e-5, memory_efficient),
+            lambda: fn.apply(x, w, b, (H,), 1e-5, memory_efficient),
+        )
+    form = fln.mixed_dtype_fused_rms_norm_affine if mixed else fln.fused_rms_norm_affine
+    fn = fln.FusedRMSNormAffineMixedDtypesFunction if mixed else fln.FusedRMSNormAffineFunction
     return (
-        lambda: fln.fused_rms_norm_affine(x, w, (H,), 1e-5, memory_efficient),
-        lambda: fln.FusedRMSNormAffineFunction.apply(x, w, (H,), 1e-5, memory_efficient),
-        [t for t in (x, w) if t is not None],
+        lambda: form(x, w, (H,), 1e-5, memory_efficient),
+        lambda: fn.apply(x, w, (H,), 1e-5, memory_efficient),
     )
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("norm_kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
 @pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("case", ["plain", "frozen_weight", "frozen_input", "strided", "mixed"])
 def test_cuda_eager_path_is_the_cpp_autograd_and_matches_the_functions(
-    norm_kind, dtype, affine, memory_efficient
+    norm_kind, dtype, affine, memory_efficient, case
 ):
     """On CUDA, with the kernels loaded, the functional forms (so the modules) call the forward op
     directly, differentiated by the library's C++ autograd (csrc/autograd.cpp); its output and
-    gradients are those of the autograd Functions bit for bit."""
+    gradients are those of the autograd Functions bit for bit: with weight and/or bias or none,
+    frozen parameters or a frozen input, a non-contiguous input, the Mixed forms (a float32
+    weight and bias: output in float32)."""
+    if norm_kind == "rms" and affine == "bias":
+        pytest.skip("RMSNorm has no bias")
+    if case == "frozen_input" and affine == "none":
+        pytest.skip("nothing would need a gradient")
     assert ops.OPS.ensure_loaded()
     H = 256
-    x = make((33, H), dtype, "cuda", requires_grad=True, scale=2.0, shift=0.5)
-    w = param((H,), dtype, "cuda") if affine else None
-    b = param((H,), dtype, "cuda") if affine and norm_kind == "layer" else None
-    fast, slow, ins = _both_paths(norm_kind, x, w, b, H, memory_efficient)
+    if case == "strided":
+        x = make((H, 33), dtype, "cuda", scale=2.0, shift=0.5).t().detach().requires_grad_(True)
+        assert not x.is_contiguous()
+    else:
+        x = make((33, H), dtype, "cuda", requires_grad=case != "frozen_input", scale=2.0)
+    pdtype = torch.float32 if case == "mixed" else dtype
+    w = param((H,), pdtype, "cuda") if affine in ("both", "weight") else None
+    b = param((H,), pdtype, "cuda") if affine in ("both", "bias") and norm_kind == "layer" else None
+    if case == "frozen_weight":
+        for t in (w, b):
+            if t is not None:
+                t.requires_grad_(False)
+    ins = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    fast, slow = _both_paths(norm_kind, x, w, b, H, memory_efficient, case == "mixed")
     y, y_ref = fast(), slow()
     name = "LayerNormFn" if norm_kind == "layer" else "RmsNormFn"
     assert name in y.grad_fn.name(), y.grad_fn.name()
     assert name not in y_ref.grad_fn.name()
+    assert y.dtype == y_ref.dtype
     assert torch.equal(y, y_ref)
     dy = torch.randn_like(y)
     for got, want in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_ref, ins, dy)):
+        assert got.dtype == want.dtype
         assert torch.equal(got, want)
     with torch.no_grad():
         assert fast().grad_fn is None

@@ -281,11 +281,12 @@ def _eager_cuda(input, *params) -> bool:
     for p in params:
         if p is not None and (type(p) not in _PLAIN or p.dtype == torch.float64):
             return False
+    # is_compiling first: under dynamo the rest is never traced (no guard on the loader's state).
     return (
-        ops.kernels_loaded()
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not _functorch_active()
+        and ops.kernels_loaded()
     )
 
 

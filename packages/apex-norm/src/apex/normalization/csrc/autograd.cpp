@@ -4,9 +4,11 @@
 // is the host time of a Python autograd.Function per call (about 30 us a forward+backward on the
 // H200's host), which at small rows was longer than the kernels.
 //
-// The gradients of the statistics outputs are not materialised: they are not differentiable, and
-// zeros for them cost an allocation and a fill kernel per backward (about 40 us of a 184 us
-// forward+backward on the H200's host at small rows).
+// The statistics outputs get no gradient (as in the Python autograd), and theirs are not
+// materialised: zeros for them cost an allocation and a fill kernel per backward (about 40 us of a
+// 184 us forward+backward on the H200's host at small rows). They are not marked
+// non-differentiable: the Python autograd does not mark them either, and compiled autograd
+// (CppNode::compiled_args) refuses a C++ Function that marks any.
 //
 // Forward and backward call the ops themselves below autograd through the dispatcher, so the CUDA
 // kernels run for real tensors and the fakes for FakeTensors (torch.compile, opcheck). Under
@@ -133,8 +135,7 @@ struct LayerNormFn : public torch::autograd::Function<LayerNormFn> {
     // As ops._ln_setup: the output (and no mean) for memory_efficient, else the input as given.
     ctx->save_for_backward({me ? out : input, me ? at::Tensor() : mean, invvar,
                             weight.value_or(at::Tensor()), bias.value_or(at::Tensor())});
-    ctx->mark_non_differentiable({mean, invvar});
-    ctx->set_materialize_grads(false);  // no zeros for mean's and invvar's gradients (see below)
+    ctx->set_materialize_grads(false);  // no zeros for mean's and invvar's gradients (see above)
     return {out, mean, invvar};
   }
 
@@ -172,7 +173,6 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     }
     save_args(ctx, shape, eps, me, input, out);
     ctx->save_for_backward({me ? out : input, invvar, weight.value_or(at::Tensor())});
-    ctx->mark_non_differentiable({invvar});
     ctx->set_materialize_grads(false);
     return {out, invvar};
   }

@@ -1,9 +1,10 @@
 // LayerNorm and RMSNorm, forward and backward, for float32, float16 and bfloat16 in any mix.
 //
 // One group of TX threads (a warp or more; in the forward, as few as one thread for short rows)
-// owns a row; a block holds TY such groups. The input dtype is a template parameter; weight, bias and output dtypes are read at run time (a uniform
-// branch per access, free next to the memory traffic), which keeps the number of instantiations
-// small while any dtype combination works. Statistics and sums are float32.
+// owns a row; a block holds TY such groups. The input dtype is a template parameter; weight,
+// bias and output dtypes are read at run time (a uniform branch per access, free next to the
+// memory traffic), which keeps the number of instantiations small while any dtype combination
+// works. Statistics and sums are float32.
 //
 // Fast path ("fast"): H % 8 == 0 and every pointer aligned to 8 elements. Each thread keeps its
 // NV vectors of 8 elements of a row in registers in the input's own dtype (16-bit data stays
@@ -11,14 +12,14 @@
 // grid is persistent (what fits on the GPU at once): each row group walks the rows r, r + G, ...,
 // summing the weight gradients as it goes, and issues the loads of its next row before the
 // current row is reduced and written. The forward's grid can be persistent too (APEX_NORM_TUNE
-// fwd_waves, without the prefetch), but a block per rows measured faster (see Tune). A row's sums take one barrier (two alternating
-// shared-memory slots), and LayerNorm's mean and variance come from one reduction: for 16-bit
-// input the sums of d = x - x[0] and d^2 (fwd_fast's one_pass); for float32 each thread's
-// (count, mean, M2), merged pairwise in a fixed order (Chan et al.), exact where sum and sum of
-// squares would cancel. The backward's fast kernel wants grad_output in the input's dtype (the
-// usual case); other mixes take "vec", the same layout without the packing and the prefetch.
-// Otherwise ("generic"): scalar loops that read the row again for each pass (any H, any
-// alignment). Indices are 64-bit throughout.
+// fwd_waves, without the prefetch), but a block per rows measured faster (see Tune). A row's
+// sums take one barrier (two alternating shared-memory slots), and LayerNorm's mean and variance
+// come from one reduction: for 16-bit input the sums of d = x - x[0] and d^2 (fwd_fast's
+// one_pass); for float32 each thread's (count, mean, M2), merged pairwise in a fixed order (Chan
+// et al.), exact where sum and sum of squares would cancel. The backward's fast kernel wants
+// grad_output in the input's dtype (the usual case); other mixes take "vec", the same layout
+// without the packing and the prefetch. Otherwise ("generic"): scalar loops that read the row
+// again for each pass (any H, any alignment). Indices are 64-bit throughout.
 //
 // Weight and bias gradients: a column reduction in two stages. Stage 1 writes float32 partial
 // sums, one row of H per row group: the vectorised backward kernels accumulate them in registers
@@ -113,7 +114,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over this thread's group of `width` lanes of its warp (a power of two, 32 or more: the
+// Sum over this thread's group of `width` lanes of its warp (a power of two; 32 or more means the
 // whole warp). The forward's row groups may be narrower than a warp (short rows).
 __device__ __forceinline__ float lane_sum(float v, unsigned width) {
 #pragma unroll
@@ -163,7 +164,7 @@ struct FwdArgs {
 // -- the fast path's pieces -------------------------------------------------------------------
 
 constexpr int kMaxWarps = kMaxTX / 32;  // warps per row group, at most
-constexpr int kMaxTY = 8;               // row groups per block, at most (blocks of 256 threads)
+constexpr int kMaxTY = 8;  // row groups per block with shared-memory sums (groups of 64+ threads)
 
 template <typename T>
 __device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) {
@@ -1062,7 +1063,7 @@ struct Tune {
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
   // The 16-bit forward (weight, bias and output in its dtype) through fwd_fast_r80, else through
-  // fwd_fast's LEAN variant: bit 1 LayerNorm, bit 2 RMSNorm. Measured on an H200 (2026-12-04
+  // fwd_fast's LEAN variant: value 1 LayerNorm, 2 RMSNorm, 3 both, 0 neither. Measured on an H200 (2026-12-04
   // 02:2x, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 /
   // 89.3 through it against 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 against
   // 78.3 / 82.2 / 82.8 / 88.8 (its 80 registers spill 16 bytes). RMSNorm through fwd_fast without
