@@ -9,26 +9,24 @@ import cProfile
 import io
 import pstats
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.normalization import ops as norm_ops
 
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
+)
+from bench_utils import host_ms, warm_up  # noqa: E402
 
-def per_call_us(f, reps=2000, rounds=5) -> float:
-    for _ in range(200):
-        f()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(reps):
-            f()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / reps * 1e6)
-    return best
+
+def per_call_us(f, calls=2000) -> float:
+    """Host microseconds per call: bench_utils.host_ms over bursts of ``calls`` calls (the GPU
+    idles on these tiny inputs, so the burst's time is the host's), after a warm-up."""
+    warm_up(f, calls=200)
+    return host_ms(f, rep=5, calls=calls) * 1e3
 
 
 class _ThinRMS(torch.autograd.Function):

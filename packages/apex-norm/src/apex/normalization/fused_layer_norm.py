@@ -104,6 +104,13 @@ def _direct():
     return torch._C._AutoDispatchBelowAutograd()
 
 
+def _checked(input, normalized_shape, weight, bias, mixed):
+    """(normalized_shape as a list, the output dtype) of a norm call, its arguments checked."""
+    shape = ops.validate(input, normalized_shape, weight, bias)
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    return shape, out_dtype
+
+
 # The helpers below return the tensors to save, and each Function's ``forward`` passes them to
 # ``ctx.save_for_backward`` itself. torch 2.3: where torch.compile breaks the graph at ``apply``
 # (2.3 cannot trace an autograd.Function that takes a torch.Size), dynamo compiles ``forward`` as
@@ -112,8 +119,7 @@ def _direct():
 
 
 def _ln_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, mixed):
-    shape = ops.validate(input, normalized_shape, weight, bias)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    shape, out_dtype = _checked(input, normalized_shape, weight, bias, mixed)
     input_, weight_, bias_ = ops.contiguous(input), ops.contiguous(weight), ops.contiguous(bias)
     with _direct():
         out, mean, invvar = ops.layer_norm_fwd(
@@ -139,8 +145,7 @@ def _ln_backward(ctx, grad_output):
 
 
 def _rms_forward(ctx, input, weight, normalized_shape, eps, memory_efficient, mixed):
-    shape = ops.validate(input, normalized_shape, weight)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
     input_, weight_ = ops.contiguous(input), ops.contiguous(weight)
     with _direct():
         out, invvar = ops.rms_norm_fwd(input_, weight_, shape, eps, memory_efficient, out_dtype)
@@ -251,14 +256,12 @@ def _exporting() -> bool:
 
 
 def _export_ln(input, weight, bias, normalized_shape, eps, mixed):
-    shape = ops.validate(input, normalized_shape, weight, bias)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    shape, out_dtype = _checked(input, normalized_shape, weight, bias, mixed)
     return reference.layer_norm_fwd(input, weight, bias, shape, eps, False, out_dtype)[0]
 
 
 def _export_rms(input, weight, normalized_shape, eps, mixed):
-    shape = ops.validate(input, normalized_shape, weight)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
+    shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
     return reference.rms_norm_fwd(input, weight, shape, eps, False, out_dtype)[0]
 
 
@@ -290,26 +293,32 @@ def _eager_cuda(input, *params) -> bool:
     )
 
 
-def _ln_eager(input, weight, bias, normalized_shape, eps, memory_efficient, mixed):
-    shape = ops.validate(input, normalized_shape, weight, bias)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
-    return torch.ops.apex_norm.layer_norm_fwd.default(
-        input, weight, bias, shape, eps, memory_efficient, out_dtype
-    )[0]
-
-
-def _rms_eager(input, weight, normalized_shape, eps, memory_efficient, mixed):
-    shape = ops.validate(input, normalized_shape, weight)
-    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
-    return torch.ops.apex_norm.rms_norm_fwd.default(
-        input, weight, shape, eps, memory_efficient, out_dtype
-    )[0]
-
-
-def _ln_direct_ok(input, weight, bias) -> bool:
-    return _eager_cuda(input, weight, bias) and (
+def _layer_norm(input, weight, bias, normalized_shape, eps, memory_efficient, mixed, fn, args):
+    """A functional LayerNorm form after autocast: the forward op straight away (eager CUDA; a
+    bias of another dtype than the weight takes the Function, which casts it), the reference math
+    (ONNX export), else ``fn.apply(*args)``, the autograd Function."""
+    if _eager_cuda(input, weight, bias) and (
         weight is None or bias is None or weight.dtype == bias.dtype
-    )
+    ):
+        shape, out_dtype = _checked(input, normalized_shape, weight, bias, mixed)
+        return torch.ops.apex_norm.layer_norm_fwd.default(
+            input, weight, bias, shape, eps, memory_efficient, out_dtype
+        )[0]
+    if _exporting():
+        return _export_ln(input, weight, bias, normalized_shape, eps, mixed)
+    return fn.apply(*args)
+
+
+def _rms_norm(input, weight, normalized_shape, eps, memory_efficient, mixed, fn, args):
+    """A functional RMSNorm form after autocast, as _layer_norm."""
+    if _eager_cuda(input, weight):
+        shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
+        return torch.ops.apex_norm.rms_norm_fwd.default(
+            input, weight, shape, eps, memory_efficient, out_dtype
+        )[0]
+    if _exporting():
+        return _export_rms(input, weight, normalized_shape, eps, mixed)
+    return fn.apply(*args)
 
 
 # -- functional forms (apex's names and defaults) -----------------------------------------------
@@ -320,23 +329,15 @@ def fused_layer_norm_affine(
 ):
     """LayerNorm with weight and bias (either may be None). Output dtype: see the module doc."""
     input, weight, bias = _autocast(input, weight, bias)
-    if _ln_direct_ok(input, weight, bias):
-        return _ln_eager(input, weight, bias, normalized_shape, eps, memory_efficient, False)
-    if _exporting():
-        return _export_ln(input, weight, bias, normalized_shape, eps, False)
-    return FusedLayerNormAffineFunction.apply(
-        input, weight, bias, normalized_shape, eps, memory_efficient
-    )
+    args = (input, weight, bias, normalized_shape, eps, memory_efficient)
+    return _layer_norm(*args, False, FusedLayerNormAffineFunction, args)
 
 
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     """LayerNorm without weight and bias; output in the input's dtype."""
     (input,) = _autocast(input)
-    if _eager_cuda(input):
-        return _ln_eager(input, None, None, normalized_shape, eps, memory_efficient, False)
-    if _exporting():
-        return _export_ln(input, None, None, normalized_shape, eps, False)
-    return FusedLayerNormFunction.apply(input, normalized_shape, eps, memory_efficient)
+    args = (input, normalized_shape, eps, memory_efficient)
+    return _layer_norm(input, None, None, *args[1:], False, FusedLayerNormFunction, args)
 
 
 def mixed_dtype_fused_layer_norm_affine(
@@ -344,33 +345,22 @@ def mixed_dtype_fused_layer_norm_affine(
 ):
     """LayerNorm with the output in the weight's dtype."""
     input, weight, bias = _autocast(input, weight, bias)
-    if _ln_direct_ok(input, weight, bias):
-        return _ln_eager(input, weight, bias, normalized_shape, eps, memory_efficient, True)
-    if _exporting():
-        return _export_ln(input, weight, bias, normalized_shape, eps, True)
-    return FusedLayerNormAffineMixedDtypesFunction.apply(
-        input, weight, bias, normalized_shape, eps, memory_efficient
-    )
+    args = (input, weight, bias, normalized_shape, eps, memory_efficient)
+    return _layer_norm(*args, True, FusedLayerNormAffineMixedDtypesFunction, args)
 
 
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
     """RMSNorm with a weight (may be None). Output dtype: see the module doc."""
     input, weight = _autocast(input, weight)
-    if _eager_cuda(input, weight):
-        return _rms_eager(input, weight, normalized_shape, eps, memory_efficient, False)
-    if _exporting():
-        return _export_rms(input, weight, normalized_shape, eps, False)
-    return FusedRMSNormAffineFunction.apply(input, weight, normalized_shape, eps, memory_efficient)
+    args = (input, weight, normalized_shape, eps, memory_efficient)
+    return _rms_norm(*args, False, FusedRMSNormAffineFunction, args)
 
 
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     """RMSNorm without a weight; output in the input's dtype."""
     (input,) = _autocast(input)
-    if _eager_cuda(input):
-        return _rms_eager(input, None, normalized_shape, eps, memory_efficient, False)
-    if _exporting():
-        return _export_rms(input, None, normalized_shape, eps, False)
-    return FusedRMSNormFunction.apply(input, normalized_shape, eps, memory_efficient)
+    args = (input, normalized_shape, eps, memory_efficient)
+    return _rms_norm(input, None, *args[1:], False, FusedRMSNormFunction, args)
 
 
 def mixed_dtype_fused_rms_norm_affine(
@@ -378,13 +368,8 @@ def mixed_dtype_fused_rms_norm_affine(
 ):
     """RMSNorm with the output in the weight's dtype."""
     input, weight = _autocast(input, weight)
-    if _eager_cuda(input, weight):
-        return _rms_eager(input, weight, normalized_shape, eps, memory_efficient, True)
-    if _exporting():
-        return _export_rms(input, weight, normalized_shape, eps, True)
-    return FusedRMSNormAffineMixedDtypesFunction.apply(
-        input, weight, normalized_shape, eps, memory_efficient
-    )
+    args = (input, weight, normalized_shape, eps, memory_efficient)
+    return _rms_norm(*args, True, FusedRMSNormAffineMixedDtypesFunction, args)
 
 
 def manual_rms_norm(input, normalized_shape, weight, eps):

@@ -196,9 +196,12 @@ struct GroupSum {
   int parity;
 
   __device__ __forceinline__ float2 operator()(float a, float b) {
-    a = lane_sum(a, blockDim.x);
-    b = lane_sum(b, blockDim.x);
-    if (blockDim.x <= 32) return make_float2(a, b);
+    // One uniform test per call: the backward's groups (a warp or more) keep the unconditional
+    // warp sums on their per-row critical path; only the forward's narrow groups pay lane_sum's.
+    if (blockDim.x < 32) return make_float2(lane_sum(a, blockDim.x), lane_sum(b, blockDim.x));
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (blockDim.x == 32) return make_float2(a, b);
     float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
     parity ^= 1;
     if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float2(a, b);
@@ -1187,7 +1190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     const std::optional<at::Tensor>& bias_, at::IntArrayRef normalized_shape, double eps,
     std::optional<at::ScalarType> out_dtype) {
   check_input(op, "input", input_, normalized_shape);
-  dt_of(op, "input", input_);
+  const int xt = dt_of(op, "input", input_);
   const c10::cuda::CUDAGuard guard(input_.device());
   const int64_t H = c10::multiply_integers(normalized_shape);
   check_param(op, "weight", weight_, input_, H);
@@ -1225,7 +1228,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
   // Weight, bias and output all in the input's dtype: fwd_fast_r80 may run (see Tune's fwd_r80).
-  const int xt = dt_of(op, "input", input);
   const bool same = ((!weight && !bias) || wt == xt) && yt == xt;
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
