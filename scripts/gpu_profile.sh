@@ -6,6 +6,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}
+export APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}  # where gpu_run.sh compiled them
 export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
 for p in ${PROFILES:-amp syncbn norm}; do
   timeout 180 python3 "$ROOT/scripts/profile_gpu.py" "$p" > "$OUT/prof_$p.txt" 2>&1 || echo "profile $p: rc=$?"
