@@ -44,6 +44,26 @@ def import_flatten_impl():
     return flatten, unflatten
 
 
+def _scale_(flat, factor):
+    """``flat *= factor``, skipped when the factor is 1 (one rank averaging): the same bits,
+    one kernel less per bucket."""
+    if factor != 1.0:
+        flat.mul_(factor)
+
+
+_foreach_copy_ = getattr(torch, "_foreach_copy_", None)
+
+
+def _copy_all_(dst, src):
+    """``d.copy_(s)`` for each pair, as one multi-tensor launch where torch has it (the
+    reduced bucket written back: one kernel instead of one per parameter)."""
+    if _foreach_copy_ is not None:
+        _foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 def flatten(bucket):
     """One contiguous 1-D tensor holding every tensor of ``bucket`` (same dtype and device)."""
     return torch._utils._flatten_dense_tensors(list(bucket))
@@ -332,7 +352,7 @@ class DistributedDataParallel(torch.nn.Module):
                 flat.mul_(1.0 / self.gradient_predivide_factor)
             dist.all_reduce(flat, group=b.group)
             if self.gradient_average:
-                flat.mul_(self.gradient_predivide_factor / self.world_size)
+                _scale_(flat, self.gradient_predivide_factor / self.world_size)
         return flat
 
     def allreduce_maybe_retain(self, bucket, bucket_idx=0, force_default_stream=False):
@@ -340,8 +360,7 @@ class DistributedDataParallel(torch.nn.Module):
         with ``retain_allreduce_buffers`` the flat result is kept in ``allreduce_buffers``."""
         flat = self.allreduce_bucket(bucket, bucket_idx, force_default_stream)
         with torch.no_grad():
-            for t, v in zip(bucket, unflatten(flat, bucket)):
-                t.copy_(v)
+            _copy_all_(list(bucket), unflatten(flat, bucket))
         if self.retain_allreduce_buffers:
             self.allreduce_buffers.append(flat)
         return flat
@@ -457,15 +476,19 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.work.wait()
             flat = bucket.flat
             if self.gradient_average:
-                flat.mul_(self.gradient_predivide_factor / self.world_size)
+                _scale_(flat, self.gradient_predivide_factor / self.world_size)
             views = unflatten(flat, bucket.params)
+            dst, src = [], []
             for p, v in zip(bucket.params, views):
                 if self.retain_allreduce_buffers and v.dtype == p.dtype:
                     p.grad = v
                 elif p.grad is None:
                     p.grad = v.to(p.dtype).clone()
                 else:
-                    p.grad.copy_(v)
+                    dst.append(p.grad)
+                    src.append(v)
+            if dst:
+                _copy_all_(dst, src)
             if self.retain_allreduce_buffers:
                 self.allreduce_buffers.append(flat)
         if bucket.stream is not None:
