@@ -1,0 +1,89 @@
+"""apex DDP against torch DDP on one GPU, interleaved, on bench_syncbn's 4-conv net (2026-12-04).
+
+bench_syncbn times each wrapper once, one after the other, and the machine's host speed drifts
+between and within runs (the same code measured 4.47 and 5.68 ms). Here the wrappers take
+turns for ROUNDS rounds and the medians over rounds are compared; ``apex (per-param copy)`` is
+apex DDP with the write-back of 2183f55 undone (one copy per parameter, the multiply by 1 kept),
+to see that change on its own.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python scripts/ddp_ab.py [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages/apex-parallel/benchmarks"))
+sys.path.insert(0, str(ROOT / "packages/apex-mta-kernels/benchmarks"))
+import bench_syncbn  # noqa: E402
+from bench_utils import time_cuda, wall_ms  # noqa: E402
+
+from apex.parallel import DistributedDataParallel, distributed  # noqa: E402
+
+
+def model():
+    torch.manual_seed(0)
+    layers, ch = [], 3
+    for out in (64, 128, 256, 256):
+        layers += [
+            torch.nn.Conv2d(ch, out, 3, padding=1),
+            torch.nn.BatchNorm2d(out),
+            torch.nn.ReLU(),
+        ]
+        ch = out
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(ch, 1000)]
+    return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
+
+
+def per_param_copy(dst, src):
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+def always_mul(flat, factor):
+    flat.mul_(factor)
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    assert bench_syncbn.init_one_rank_group()
+    x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+    wrapped = {
+        "apex DDP": DistributedDataParallel(model()),
+        "apex (per-param copy)": DistributedDataParallel(model()),
+        "torch DDP": torch.nn.parallel.DistributedDataParallel(model()),
+    }
+    new = (distributed._copy_all_, distributed._scale_)
+
+    def step(ddp):
+        for p in ddp.parameters():
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = ddp(x)
+        out.float().square().mean().backward()
+
+    res = {k: ([], []) for k in wrapped}
+    for _ in range(rounds):
+        for name, ddp in wrapped.items():
+            old = name == "apex (per-param copy)"
+            distributed._copy_all_, distributed._scale_ = (
+                (per_param_copy, always_mul) if old else new
+            )
+            res[name][0].append(time_cuda(lambda ddp=ddp: step(ddp), warmup=3, rep=20))
+            res[name][1].append(wall_ms(lambda ddp=ddp: step(ddp), rep=20))
+    distributed._copy_all_, distributed._scale_ = new
+    print(
+        f"{'wrapper':24s} {'events ms (median of rounds)':>30s} {'wall ms':>9s}   per round (events)"
+    )
+    for name, (ev, wall) in res.items():
+        rr = " ".join(f"{v:.3f}" for v in ev)
+        print(f"{name:24s} {statistics.median(ev):30.3f} {statistics.median(wall):9.3f}   {rr}")
+
+
+if __name__ == "__main__":
+    main()
