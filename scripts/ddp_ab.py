@@ -21,23 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/apex-parallel/benchmarks"))
 sys.path.insert(0, str(ROOT / "packages/apex-mta-kernels/benchmarks"))
 import bench_syncbn  # noqa: E402
+from bench_syncbn import ddp_model  # noqa: E402
 from bench_utils import time_cuda, wall_ms  # noqa: E402
 
 from apex.parallel import DistributedDataParallel, distributed  # noqa: E402
-
-
-def model():
-    torch.manual_seed(0)
-    layers, ch = [], 3
-    for out in (64, 128, 256, 256):
-        layers += [
-            torch.nn.Conv2d(ch, out, 3, padding=1),
-            torch.nn.BatchNorm2d(out),
-            torch.nn.ReLU(),
-        ]
-        ch = out
-    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(ch, 1000)]
-    return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
 
 
 def per_param_copy(dst, src):
@@ -54,9 +41,9 @@ def main():
     assert bench_syncbn.init_one_rank_group()
     x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     wrapped = {
-        "apex DDP": DistributedDataParallel(model()),
-        "apex (per-param copy)": DistributedDataParallel(model()),
-        "torch DDP": torch.nn.parallel.DistributedDataParallel(model()),
+        "apex DDP": DistributedDataParallel(ddp_model()),
+        "apex (per-param copy)": DistributedDataParallel(ddp_model()),
+        "torch DDP": torch.nn.parallel.DistributedDataParallel(ddp_model()),
     }
     new = (distributed._copy_all_, distributed._scale_)
 

@@ -5,15 +5,8 @@
 # (scripts/host_norm.py); BENCH=1 bench_norm (bf16 every H, fp32 H=4096; ours, torch eager,
 # torch.compile). Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export OUT=${OUT:-$ROOT/gpu-out} APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
-mkdir -p "$OUT"
-TESTS="packages/apex-norm/tests=240" TEST_JOBS=6 TEST_PARALLEL=1 \
-  PYTEST_ARGS="-m cuda" SKIP_BENCH=1 bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
-grep -E "compiled|cache in|rc=|passed|failed" "$OUT/summary.txt" | tail -8
-export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+source "$(dirname "$0")/gpu_common.sh"
+cuda_tests "packages/apex-norm/tests=240"
 if [ "${SWEEP:-0}" = 1 ]; then
   SWEEP_H=1024,2048,4096,16384 timeout 200 bash scripts/norm_sweep.sh \
     "fwd_r80=0" "fwd_r80=1" "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1

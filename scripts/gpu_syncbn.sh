@@ -3,15 +3,8 @@
 # (SyncBatchNorm and DDP) and the syncbn kernel profile (scripts/profile_gpu.py syncbn: each
 # kernel's time). Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz OUT=dir bash scripts/gpu_syncbn.sh
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export OUT=${OUT:-$ROOT/gpu-out} APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
-mkdir -p "$OUT"
-TESTS="packages/apex-parallel/tests=240" TEST_JOBS=6 TEST_PARALLEL=1 \
-  PYTEST_ARGS="-m cuda" SKIP_BENCH=1 bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
-grep -E "compiled|cache in|rc=|passed|failed" "$OUT/summary.txt" | tail -6
-export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+source "$(dirname "$0")/gpu_common.sh"
+cuda_tests "packages/apex-parallel/tests=240"
 B="$OUT/bench"
 mkdir -p "$B"
 timeout 120 python3 packages/apex-parallel/benchmarks/bench_syncbn.py --out "$B" > "$B/syncbn.log" 2>&1

@@ -176,21 +176,23 @@ def add_kernel_times(graphs, ceiling):
         )
 
 
-def ddp_rows():
-    def model():
-        torch.manual_seed(0)
-        layers = []
-        ch = 3
-        for out in (64, 128, 256, 256):
-            layers += [
-                torch.nn.Conv2d(ch, out, 3, padding=1),
-                torch.nn.BatchNorm2d(out),
-                torch.nn.ReLU(),
-            ]
-            ch = out
-        layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(ch, 1000)]
-        return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
+def ddp_model():
+    """The DDP rows' model: 4 conv + BatchNorm + ReLU stages and a linear head (channels_last)."""
+    torch.manual_seed(0)
+    layers = []
+    ch = 3
+    for out in (64, 128, 256, 256):
+        layers += [
+            torch.nn.Conv2d(ch, out, 3, padding=1),
+            torch.nn.BatchNorm2d(out),
+            torch.nn.ReLU(),
+        ]
+        ch = out
+    layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(ch, 1000)]
+    return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
 
+
+def ddp_rows():
     x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     rows = []
     wrappers = {
@@ -199,7 +201,7 @@ def ddp_rows():
         "torch DistributedDataParallel": lambda m: torch.nn.parallel.DistributedDataParallel(m),
     }
     for name, wrap in wrappers.items():
-        ddp = wrap(model())
+        ddp = wrap(ddp_model())
 
         def step(ddp=ddp):
             for p in ddp.parameters():
