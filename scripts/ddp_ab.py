@@ -4,7 +4,10 @@ bench_syncbn times each wrapper once, one after the other, and the machine's hos
 between and within runs (the same code measured 4.47 and 5.68 ms). Here the wrappers take
 turns for ROUNDS rounds and the medians over rounds are compared; ``apex (per-param copy)`` is
 apex DDP with the write-back of 2183f55 undone (one copy per parameter, the multiply by 1 kept),
-to see that change on its own.
+to see that change on its own. (The net is channels_last: its conv weights' gradients do not
+have their bucket views' strides, so in the 10:35 UTC run 2183f55's multi-tensor copy took
+torch's per-tensor path for the whole list and both apex rows timed the same copies; the
+write-back now copies only those weights one by one.)
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python scripts/ddp_ab.py [ROUNDS]
 """
@@ -38,7 +41,8 @@ def always_mul(flat, factor):
 
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    assert bench_syncbn.init_one_rank_group()
+    if not bench_syncbn.init_one_rank_group():
+        raise SystemExit("ddp_ab: no NCCL process group")
     x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     wrapped = {
         "apex DDP": DistributedDataParallel(ddp_model()),

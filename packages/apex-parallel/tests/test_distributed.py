@@ -298,3 +298,55 @@ def test_multiproc_points_to_torchrun():
 
     assert "torchrun --nproc_per_node" in multiproc.MESSAGE
     assert multiproc.main() == 2
+
+
+def _devices():
+    cuda = pytest.param("cuda", marks=pytest.mark.cuda)
+    return ["cpu", cuda]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_write_back_equals_one_copy_per_gradient(device, src_dtype):
+    """The reduced bucket's write-back (one multi-tensor copy for the gradients whose strides
+    match their view, one copy each for the rest, e.g. a channels_last conv weight) gives the
+    bits of a copy_ per gradient, also from a float32 bucket (allreduce_always_fp32) into
+    bfloat16 gradients."""
+    from apex.parallel import distributed
+
+    torch.manual_seed(0)
+    shapes = [(8, 3, 3, 3), (8,), (16, 8, 3, 3), (16,), (5, 16)]
+
+    def grads():
+        g = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes]
+        g[2] = g[2].contiguous(memory_format=torch.channels_last)  # strides differ from its view
+        return g
+
+    a, b = grads(), grads()
+    flat = torch.randn(sum(torch.Size(s).numel() for s in shapes), device=device, dtype=src_dtype)
+    views = distributed.unflatten(flat, a)
+    distributed._copy_all_(a, views)
+    for d, v in zip(b, views):
+        d.copy_(v)
+    for x, y in zip(a, b):
+        assert x.stride() == y.stride()
+        assert torch.equal(x, y)
+    assert a[2].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_scale_skips_a_factor_of_one():
+    """One rank averaging multiplies by exactly 1: no launch (the bits would not change)."""
+    from apex.parallel import distributed
+
+    class Flat:
+        def __init__(self):
+            self.factors = []
+
+        def mul_(self, f):
+            self.factors.append(f)
+
+    flat = Flat()
+    distributed._scale_(flat, 1.0)
+    assert flat.factors == []
+    distributed._scale_(flat, 0.5)
+    assert flat.factors == [0.5]

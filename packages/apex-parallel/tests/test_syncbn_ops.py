@@ -314,3 +314,26 @@ def test_cuda_one_rank_forms_match_the_two_op_forms(shape, layout, dtype, moment
     w = torch.rand(c, device="cuda", dtype=dtype) + 0.5
     b = torch.randn(c, device="cuda")
     _one_rank_forms_match_the_two_op_forms(x, g, w, b, momentum, fuse_relu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(33, 40, 29, 31), (16, 2048, 12, 12), BENCH], ids=str)
+def test_cuda_reductions_give_the_same_bits_on_every_call(shape, layout):
+    """No atomics anywhere: the statistics, the one-rank merge and the backward sums are the same
+    bits on every call (the partials merge in a fixed order)."""
+    torch.manual_seed(0)
+    x = _layout((torch.randn(shape, device="cuda") * 2 + 0.5).to(torch.bfloat16), layout)
+    g = _layout(torch.randn(shape, device="cuda").to(torch.bfloat16), layout)
+    c = shape[1]
+    w = torch.rand(c, device="cuda") + 0.5
+    runs = []
+    for _ in range(3):
+        stats = ops.syncbn_stats(x)
+        y, saved = ops.syncbn_forward(x, None, None, w, None, None, None, None, 1e-5, 0.1, False)
+        sums, gw, gb = ops.syncbn_backward_reduce(g, x, saved, w, None)
+        dx, gw1, gb1 = ops.syncbn_backward_local(g, x, saved, w, None)
+        runs.append((stats, y, saved, sums, gw, gb, dx, gw1, gb1))
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)

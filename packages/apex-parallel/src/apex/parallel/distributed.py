@@ -55,13 +55,19 @@ _foreach_copy_ = getattr(torch, "_foreach_copy_", None)
 
 
 def _copy_all_(dst, src):
-    """``d.copy_(s)`` for each pair, as one multi-tensor launch where torch has it (the
-    reduced bucket written back: one kernel instead of one per parameter)."""
-    if _foreach_copy_ is not None:
-        _foreach_copy_(dst, src)
-    else:
-        for d, s in zip(dst, src):
+    """``d.copy_(s)`` for each pair. Pairs of the same strides go to one multi-tensor launch
+    (the reduced bucket written back: one kernel instead of one per parameter); the others, e.g.
+    a channels_last conv weight's gradient against its bucket's contiguous view, copy one by
+    one (torch's multi-tensor copy would take its slow path for the whole list because of one)."""
+    same_d, same_s = [], []
+    for d, s in zip(dst, src):
+        if _foreach_copy_ is not None and d.stride() == s.stride():
+            same_d.append(d)
+            same_s.append(s)
+        else:
             d.copy_(s)
+    if same_d:
+        _foreach_copy_(same_d, same_s)
 
 
 def flatten(bucket):
