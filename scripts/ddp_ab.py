@@ -3,11 +3,11 @@
 bench_syncbn times each wrapper once, one after the other, and the machine's host speed drifts
 between and within runs (the same code measured 4.47 and 5.68 ms). Here the wrappers take
 turns for ROUNDS rounds and the medians over rounds are compared; ``apex (per-param copy)`` is
-apex DDP with the write-back of 2183f55 undone (one copy per parameter, the multiply by 1 kept),
-to see that change on its own. (The net is channels_last: its conv weights' gradients do not
-have their bucket views' strides, so in the 10:35 UTC run 2183f55's multi-tensor copy took
-torch's per-tensor path for the whole list and both apex rows timed the same copies; the
-write-back now copies only those weights one by one.)
+apex DDP writing the reduced bucket back with one copy per parameter (before 2183f55). (The net
+is channels_last: its conv weights' gradients do not have their bucket views' strides, so in
+the 10:35 UTC run 2183f55's multi-tensor copy took torch's per-tensor path for the whole list
+and both apex rows timed the same copies; the write-back now copies only those weights one by
+one.)
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python scripts/ddp_ab.py [ROUNDS]
 """
@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/apex-parallel/benchmarks"))
 sys.path.insert(0, str(ROOT / "packages/apex-mta-kernels/benchmarks"))
-import bench_syncbn  # noqa: E402
-from bench_syncbn import ddp_model  # noqa: E402
+
+from bench_syncbn import ddp_model, ddp_step, init_one_rank_group  # noqa: E402
 from bench_utils import time_cuda, wall_ms  # noqa: E402
 
 from apex.parallel import DistributedDataParallel, distributed  # noqa: E402
@@ -35,13 +35,9 @@ def per_param_copy(dst, src):
         d.copy_(s)
 
 
-def always_mul(flat, factor):
-    flat.mul_(factor)
-
-
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    if not bench_syncbn.init_one_rank_group():
+    if not init_one_rank_group():
         raise SystemExit("ddp_ab: no NCCL process group")
     x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     wrapped = {
@@ -49,25 +45,15 @@ def main():
         "apex (per-param copy)": DistributedDataParallel(ddp_model()),
         "torch DDP": torch.nn.parallel.DistributedDataParallel(ddp_model()),
     }
-    new = (distributed._copy_all_, distributed._scale_)
-
-    def step(ddp):
-        for p in ddp.parameters():
-            p.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = ddp(x)
-        out.float().square().mean().backward()
-
+    batched = distributed._copy_all_
     res = {k: ([], []) for k in wrapped}
     for _ in range(rounds):
         for name, ddp in wrapped.items():
             old = name == "apex (per-param copy)"
-            distributed._copy_all_, distributed._scale_ = (
-                (per_param_copy, always_mul) if old else new
-            )
-            res[name][0].append(time_cuda(lambda ddp=ddp: step(ddp), warmup=3, rep=20))
-            res[name][1].append(wall_ms(lambda ddp=ddp: step(ddp), rep=20))
-    distributed._copy_all_, distributed._scale_ = new
+            distributed._copy_all_ = per_param_copy if old else batched
+            res[name][0].append(time_cuda(lambda ddp=ddp: ddp_step(ddp, x), warmup=3, rep=20))
+            res[name][1].append(wall_ms(lambda ddp=ddp: ddp_step(ddp, x), rep=20))
+    distributed._copy_all_ = batched
     print(
         f"{'wrapper':24s} {'events ms (median of rounds)':>30s} {'wall ms':>9s}   per round (events)"
     )

@@ -192,6 +192,15 @@ def ddp_model():
     return torch.nn.Sequential(*layers).cuda().to(memory_format=torch.channels_last)
 
 
+def ddp_step(ddp, x):
+    """One training step of the DDP rows: gradients reset, bf16 autocast forward, backward."""
+    for p in ddp.parameters():
+        p.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = ddp(x)
+    out.float().square().mean().backward()
+
+
 def ddp_rows():
     x = torch.randn(32, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     rows = []
@@ -204,11 +213,7 @@ def ddp_rows():
         ddp = wrap(ddp_model())
 
         def step(ddp=ddp):
-            for p in ddp.parameters():
-                p.grad = None
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = ddp(x)
-            out.float().square().mean().backward()
+            ddp_step(ddp, x)
 
         ms = time_cuda(step, warmup=5, rep=20)
         host = host_ms(step, rep=20)

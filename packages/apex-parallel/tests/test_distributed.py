@@ -300,12 +300,7 @@ def test_multiproc_points_to_torchrun():
     assert multiproc.main() == 2
 
 
-def _devices():
-    cuda = pytest.param("cuda", marks=pytest.mark.cuda)
-    return ["cpu", cuda]
-
-
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_write_back_equals_one_copy_per_gradient(device, src_dtype):
     """The reduced bucket's write-back (one multi-tensor copy for the gradients whose strides

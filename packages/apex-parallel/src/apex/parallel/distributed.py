@@ -45,13 +45,10 @@ def import_flatten_impl():
 
 
 def _scale_(flat, factor):
-    """``flat *= factor``, skipped when the factor is 1 (one rank averaging): the same bits,
-    one kernel less per bucket."""
+    """``flat *= factor``, skipped when the factor is 1 (no predivision; one rank averaging):
+    the same bits, one kernel less per bucket."""
     if factor != 1.0:
         flat.mul_(factor)
-
-
-_foreach_copy_ = getattr(torch, "_foreach_copy_", None)
 
 
 def _copy_all_(dst, src):
@@ -61,13 +58,13 @@ def _copy_all_(dst, src):
     one (torch's multi-tensor copy would take its slow path for the whole list because of one)."""
     same_d, same_s = [], []
     for d, s in zip(dst, src):
-        if _foreach_copy_ is not None and d.stride() == s.stride():
+        if d.stride() == s.stride():
             same_d.append(d)
             same_s.append(s)
         else:
             d.copy_(s)
     if same_d:
-        _foreach_copy_(same_d, same_s)
+        torch._foreach_copy_(same_d, same_s)
 
 
 def flatten(bucket):
@@ -351,14 +348,9 @@ class DistributedDataParallel(torch.nn.Module):
             b.group, b.stream = self._side(bucket_idx)
             if force_default_stream:
                 b.stream = None
-            flat = flatten(b.params)
-            if self.allreduce_always_fp32 and flat.dtype != torch.float32:
-                flat = flat.float()
-            if self.gradient_predivide_factor != 1.0:
-                flat.mul_(1.0 / self.gradient_predivide_factor)
+            flat = self._flat_to_reduce(b.params)
             dist.all_reduce(flat, group=b.group)
-            if self.gradient_average:
-                _scale_(flat, self.gradient_predivide_factor / self.world_size)
+            self._average_(flat)
         return flat
 
     def allreduce_maybe_retain(self, bucket, bucket_idx=0, force_default_stream=False):
@@ -457,6 +449,20 @@ class DistributedDataParallel(torch.nn.Module):
             stream = self._streams[i % len(self._streams)]
         return group, stream
 
+    def _flat_to_reduce(self, tensors):
+        """``tensors`` in one flat buffer for the all_reduce: float32 with
+        ``allreduce_always_fp32``, divided by ``gradient_predivide_factor``."""
+        flat = flatten(tensors)
+        if self.allreduce_always_fp32 and flat.dtype != torch.float32:
+            flat = flat.float()
+        _scale_(flat, 1.0 / self.gradient_predivide_factor)
+        return flat
+
+    def _average_(self, flat):
+        """The reduced sum averaged (``gradient_average``): times predivide / world size."""
+        if self.gradient_average:
+            _scale_(flat, self.gradient_predivide_factor / self.world_size)
+
     def _launch(self, bucket, i):
         with self._label(f"allreduce_bucket_{i}"):
             bucket.group, bucket.stream = self._side(i)
@@ -466,11 +472,7 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.stream.wait_stream(torch.cuda.current_stream())
                 ctx = torch.cuda.stream(bucket.stream)
             with ctx, torch.no_grad():
-                flat = flatten(grads)
-                if self.allreduce_always_fp32 and flat.dtype != torch.float32:
-                    flat = flat.float()
-                if self.gradient_predivide_factor != 1.0:
-                    flat.mul_(1.0 / self.gradient_predivide_factor)
+                flat = self._flat_to_reduce(grads)
                 bucket.flat = flat
                 bucket.work = dist.all_reduce(flat, group=bucket.group, async_op=True)
 
@@ -481,8 +483,7 @@ class DistributedDataParallel(torch.nn.Module):
         with ctx, torch.no_grad():
             bucket.work.wait()
             flat = bucket.flat
-            if self.gradient_average:
-                _scale_(flat, self.gradient_predivide_factor / self.world_size)
+            self._average_(flat)
             views = unflatten(flat, bucket.params)
             dst, src = [], []
             for p, v in zip(bucket.params, views):
@@ -493,8 +494,7 @@ class DistributedDataParallel(torch.nn.Module):
                 else:
                     dst.append(p.grad)
                     src.append(v)
-            if dst:
-                _copy_all_(dst, src)
+            _copy_all_(dst, src)
             if self.retain_allreduce_buffers:
                 self.allreduce_buffers.append(flat)
         if bucket.stream is not None:
