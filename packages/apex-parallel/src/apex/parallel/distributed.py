@@ -342,14 +342,13 @@ class DistributedDataParallel(torch.nn.Module):
 
     def allreduce_bucket(self, bucket, bucket_idx=0, force_default_stream=False):
         """The flat, reduced (and, with ``gradient_average``, averaged) copy of the tensors in
-        ``bucket``, with this module's options; waits for the result."""
-        b = _Bucket(list(bucket))
+        ``bucket``, with this module's options; waits for the result. The reduction runs on the
+        current stream (through the process group that bucket ``bucket_idx`` would take), so
+        ``force_default_stream`` (apex's argument) changes nothing."""
+        group, _ = self._side(bucket_idx)
         with torch.no_grad():
-            b.group, b.stream = self._side(bucket_idx)
-            if force_default_stream:
-                b.stream = None
-            flat = self._flat_to_reduce(b.params)
-            dist.all_reduce(flat, group=b.group)
+            flat = self._flat_to_reduce(list(bucket))
+            dist.all_reduce(flat, group=group)
             self._average_(flat)
         return flat
 

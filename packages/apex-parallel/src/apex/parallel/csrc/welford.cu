@@ -274,8 +274,8 @@ __device__ void merge_welford_partials(const float* __restrict__ ws, int S, int6
       sh[2][ty][tx] = n;
     }
     __syncthreads();
+    // No barrier after the reads: the next level writes rows [w / 2, w), this one reads [w, 2w).
     if (ty < w) chan_merge(mean, m2, n, sh[0][ty + w][tx], sh[1][ty + w][tx], sh[2][ty + w][tx]);
-    __syncthreads();
   }
 }
 
@@ -298,11 +298,10 @@ __device__ void sum_partials(const float* __restrict__ ws, int S, int64_t C, int
       sh[1][ty][tx] = b;
     }
     __syncthreads();
-    if (ty < w) {
+    if (ty < w) {  // no barrier after the reads, as in merge_welford_partials
       a += sh[0][ty + w][tx];
       b += sh[1][ty + w][tx];
     }
-    __syncthreads();
   }
 }
 
