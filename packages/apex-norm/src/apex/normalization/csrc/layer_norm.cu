@@ -732,7 +732,7 @@ __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv *
 __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
 template <typename Tx, int NV, bool RMS, bool ME>
-__global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
+__device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
   constexpr bool kBS = ring_bias_in_smem(NV, RMS);
   const int S = a.stages;  // 2 to 4
@@ -827,6 +827,17 @@ __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
       store_partials(a, group, j, w, b, sum_b);
     }
   }
+}
+
+template <typename Tx, int NV, bool RMS, bool ME>
+__global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
+  bwd_ring_rows<Tx, NV, RMS, ME>(a);
+}
+
+// bwd_ring at 80 registers (see Tune's bwd_r80).
+template <typename Tx, int NV, bool RMS, bool ME>
+__global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
+  bwd_ring_rows<Tx, NV, RMS, ME>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1072,11 +1083,19 @@ struct Tune {
   // 78.3 / 82.2 / 82.8 / 88.8 (its 80 registers spill 16 bytes). RMSNorm through fwd_fast without
   // LEAN (02:47): 68.9 / 72.7 / 68.5 / 70.9, slower than either.
   int fwd_r80 = 1;
+  // The 16-bit backward's ring at 2 vectors a thread and rows of 128-256 threads (not
+  // memory_efficient) through bwd_ring_r80 (80 registers): 1 LayerNorm, 2 RMSNorm, 3 both, 0
+  // neither. ptxas (sm_90): LayerNorm 96 -> 80 registers with a 16-byte spill; RMSNorm takes 64
+  // either way. Measured on an H200 (2026-12-04 14:2x, scripts/norm_sweep.sh, LayerNorm bf16
+  // fwd+bwd % of copy, through it in two runs / not): H=2048 68.7, 68.9 / 66.7; H=4096 69.5, 70.1
+  // / 66.5; and with all of 2 vectors a thread through it, H=1024 60.0, 60.6 / 60.9 and H=8192
+  // (512 threads) 65.4, 65.5 / 65.9, where it stays off.
+  int bwd_r80 = 1;
 };
 
 int key_min(const std::string& key) {
   const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
-                       key == "ln_one_pass" || key == "fwd_r80";
+                       key == "ln_one_pass" || key == "fwd_r80" || key == "bwd_r80";
   return zero_ok ? 0 : 1;
 }
 
@@ -1105,6 +1124,7 @@ const Tune& tune() {
         if (key == "smem_kb") v.smem_kb = val;
         if (key == "ln_one_pass") v.ln_one_pass = val;
         if (key == "fwd_r80") v.fwd_r80 = val;
+        if (key == "bwd_r80") v.bwd_r80 = val;
       }
       pos = end + 1;
     }
@@ -1379,6 +1399,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         constexpr bool kFast = !kRing || ring_bias_in_smem(NV, RMS);
         if constexpr (kRing) {
           if (packed && ring) {
+            if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
+              if ((tune().bwd_r80 & (RMS ? 2 : 1)) && !memory_efficient && c.tx >= 128 && c.tx <= 256) {
+                return launch(bwd_ring_r80<Tx, NV, RMS, false>, true);
+              }
+            }
             return launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
           }
         }
