@@ -1,6 +1,8 @@
 """Where SyncBatchNorm's host time goes on the GPU machine (2026-12-04): forward and backward
-issue times apart, and torch.profiler's CPU view of a few steps (self CPU time per op and CUDA
-runtime call), against torch's BatchNorm2d and ``x * 2`` on the same input.
+issue times apart for apex SyncBatchNorm, torch's BatchNorm2d and ``x * 2`` on the same input,
+then torch.profiler's view (CPU and CUDA) of 20 apex steps, by self CPU time (each op and CUDA
+runtime call). ``x.grad`` is not cleared between calls: every backward also accumulates into it
+(one ``add_``), as parameters' gradients do in training.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python scripts/host_profile_syncbn.py
 """
@@ -16,7 +18,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/apex-parallel/benchmarks"))
-sys.path.insert(0, str(ROOT / "packages/apex-mta-kernels/benchmarks"))
 
 from bench_syncbn import init_one_rank_group  # noqa: E402
 

@@ -39,6 +39,9 @@ def main():
         for name, fn in cases.items():
             fn()
             ms = graph_ms(fn)
+            if ms is None:
+                print(f"{str(dtype):15s} {name:42s} not capturable in a CUDA graph")
+                continue
             print(
                 f"{str(dtype):15s} {name:42s} {ms * 1e3:7.1f} us  {gb / ms:5.2f} TB/s"
                 f"  {100 * gb / ms / ceiling.tbps:5.1f} % of copy"

@@ -10,7 +10,11 @@ OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
 names=(tree)
 declare -A path=([tree]="$ROOT/packages/apex-parallel/src/apex/parallel/csrc/welford.cu")
-for arg in "$@"; do names+=("${arg%%=*}"); path[${arg%%=*}]=$(realpath "${arg#*=}"); done
+for arg in "$@"; do
+  [ "${arg%%=*}" = tree ] && { echo "syncbn_variants: 'tree' is the working tree's own variant" >&2; exit 2; }
+  names+=("${arg%%=*}")
+  path[${arg%%=*}]=$(realpath "${arg#*=}")
+done
 pp() {  # the PYTHONPATH of a variant
   local v=/tmp/variant-$1
   echo "$(ls -d "$ROOT"/packages/*/src | grep -v apex-parallel | paste -sd:):$v/src"

@@ -1085,8 +1085,9 @@ struct Tune {
   int fwd_r80 = 1;
   // The 16-bit backward's ring at 2 vectors a thread and rows of 128-256 threads (not
   // memory_efficient) through bwd_ring_r80 (80 registers): 1 LayerNorm, 2 RMSNorm, 3 both, 0
-  // neither. ptxas (sm_90): LayerNorm 96 -> 80 registers with a 16-byte spill; RMSNorm takes 64
-  // either way. Measured on an H200 (2026-12-04 14:2x, scripts/norm_sweep.sh, LayerNorm bf16
+  // neither. ptxas (nvcc 13.0, sm_90, bf16): LayerNorm 96 -> 80 registers (16 bytes of spill
+  // stores); RMSNorm 64 in bwd_ring but 72 in bwd_ring_r80 (fewer blocks per SM: not measured,
+  // off by default). Measured on an H200 (2026-12-04 14:2x, scripts/norm_sweep.sh, LayerNorm bf16
   // fwd+bwd % of copy, through it in two runs / not): H=2048 68.7, 68.9 / 66.7; H=4096 69.5, 70.1
   // / 66.5; and with all of 2 vectors a thread through it, H=1024 60.0, 60.6 / 60.9 and H=8192
   // (512 threads) 65.4, 65.5 / 65.9, where it stays off.
