@@ -9,6 +9,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}/sweep
 mkdir -p "$OUT"
 export PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+# gpu_common.sh's kernel cache, so a sweep after gpu_norm.sh or gpu_run.sh compiles nothing (in
+# another cache the first setting's process compiled and ran past its time limit, 12-04 14:18).
+export APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
 SETTINGS=("$@")
 [ ${#SETTINGS[@]} -eq 0 ] && SETTINGS=("fwd_pt=4,bwd_pt=2" "fwd_pt=2,bwd_pt=1" "fwd_pt=8,bwd_pt=4" "fwd_waves=64,bwd_waves=64")
 i=0
