@@ -19,21 +19,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/apex-parallel/benchmarks"))
 
-from bench_syncbn import init_one_rank_group  # noqa: E402
+from bench_syncbn import init_one_rank_group  # noqa: E402 - it puts bench_utils on sys.path
+from bench_utils import host_ms  # noqa: E402
 
 from apex.parallel import SyncBatchNorm  # noqa: E402
 
 
 def issue_us(fn, rep=200):
     """Median host microseconds to issue ``fn()``, each call after a device sync."""
-    times = []
-    for _ in range(rep):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_ms(fn, rep=rep) * 1e3
 
 
 def main():

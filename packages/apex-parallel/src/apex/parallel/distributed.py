@@ -267,6 +267,8 @@ class DistributedDataParallel(torch.nn.Module):
 
         params = list(self.module.parameters())
         backend = dist.get_backend()
+        # Buckets reduce on CUDA side streams with NCCL (created at the first launch).
+        self._side_streams = backend == "nccl" and torch.cuda.is_available()
         if backend == "nccl":
             for p in params:
                 if not p.is_cuda:
@@ -345,10 +347,9 @@ class DistributedDataParallel(torch.nn.Module):
         ``bucket``, with this module's options; waits for the result. The reduction runs on the
         current stream (through the process group that bucket ``bucket_idx`` would take), so
         ``force_default_stream`` (apex's argument) changes nothing."""
-        group, _ = self._side(bucket_idx)
         with torch.no_grad():
             flat = self._flat_to_reduce(list(bucket))
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(flat, group=self._group(bucket_idx))
             self._average_(flat)
         return flat
 
@@ -432,21 +433,25 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next_launch], self._next_launch)
             self._next_launch += 1
 
-    def _side(self, i):
-        """(process group, CUDA stream or None) for the bucket launched i-th."""
+    def _group(self, i):
+        """The process group of the bucket launched i-th (None: the default group)."""
         if self.allreduce_communicators is not None:
-            groups, streams = self.allreduce_communicators
-            return groups[i % len(groups)], streams[i % len(streams)]
+            groups = self.allreduce_communicators[0]
+            return groups[i % len(groups)]
         if not self.allreduce_different_streams:
-            group = None
-        else:
-            group = self._groups[i % self.num_allreduce_streams]
-        stream = None
-        if dist.get_backend() == "nccl" and torch.cuda.is_available():
-            if self._streams is None:
-                self._streams = [torch.cuda.Stream() for _ in range(self.num_allreduce_streams)]
-            stream = self._streams[i % len(self._streams)]
-        return group, stream
+            return None
+        return self._groups[i % self.num_allreduce_streams]
+
+    def _stream(self, i):
+        """The CUDA side stream of the bucket launched i-th, or None (no NCCL on CUDA)."""
+        if self.allreduce_communicators is not None:
+            streams = self.allreduce_communicators[1]
+            return streams[i % len(streams)]
+        if not self._side_streams:
+            return None
+        if self._streams is None:
+            self._streams = [torch.cuda.Stream() for _ in range(self.num_allreduce_streams)]
+        return self._streams[i % len(self._streams)]
 
     def _flat_to_reduce(self, tensors):
         """``tensors`` in one flat buffer for the all_reduce: float32 with
@@ -464,7 +469,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch(self, bucket, i):
         with self._label(f"allreduce_bucket_{i}"):
-            bucket.group, bucket.stream = self._side(i)
+            bucket.group, bucket.stream = self._group(i), self._stream(i)
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
             ctx = nullcontext()
             if bucket.stream is not None:
