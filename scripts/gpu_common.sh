@@ -16,3 +16,11 @@ cuda_tests() {
   PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
   export PYTHONPATH
 }
+
+# compile_only: gpu_run.sh's compile stage alone (no tests, no benchmarks); PYTHONPATH as cuda_tests.
+compile_only() {
+  SKIP_TESTS=1 SKIP_BENCH=1 bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
+  grep -E "compiled|cache in|compile wall|FAILED" "$OUT/summary.txt" | tail -8
+  PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+  export PYTHONPATH
+}

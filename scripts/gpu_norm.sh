@@ -3,10 +3,42 @@
 # when asked: SWEEP=1 the forward's register caps and fixed-dtype kernels (APEX_NORM_TUNE fwd_r80)
 # and the backward's vectors per thread at H=1024; HOST=1 the host cost per eager call
 # (scripts/host_norm.py); BENCH=1 bench_norm (bf16 every H, fp32 H=4096; ours, torch eager,
-# torch.compile). Everything under $OUT (bench.tgz holds the benchmark tables).
+# torch.compile); FWD_SWEEP=1 / BWD_SWEEP=1 the forward's and backward's launch shapes (ours
+# only, scripts/norm_sweep.sh); SHAPES=1 the launch shapes of ours and torch.compile's kernels
+# (scripts/norm_kernel_shapes.py); NO_TESTS=1 compiles without the tests. Everything under $OUT
+# (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
-cuda_tests "packages/apex-norm/tests=240"
+if [ "${NO_TESTS:-0}" = 1 ]; then
+  compile_only
+else
+  cuda_tests "packages/apex-norm/tests=240"
+fi
+if [ "${FWD_SWEEP:-0}" = 1 ]; then
+  # The forward's shapes (2026-12-04): both norms through fwd_fast_r80 (fwd_r80=3) or RMSNorm
+  # through fwd_fast's LEAN variant (1), LayerNorm bf16 at 2 and 4 vectors a thread without the
+  # 80-register cap; float32 at 4 vectors a thread (the old default) against 2.
+  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 timeout 240 bash scripts/norm_sweep.sh \
+    "fwd_r80=3" "fwd_r80=1" "fwd_pt16=4,fwd_r80=0" "fwd_pt16=2,fwd_r80=0" "fwd_r80=3,rms_short_pt16=0" \
+    "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1
+  SWEEP_DT=fp32 SWEEP_H=1024,4096,16384 timeout 100 bash scripts/norm_sweep.sh "fwd_pt=4" "fwd_pt=2" \
+    > "$OUT/sweep_fwd32.txt" 2>&1
+  cat "$OUT/sweep_fwd.txt" "$OUT/sweep_fwd32.txt" | grep " ms "
+  rm -rf "$OUT/sweep"
+fi
+if [ "${BWD_SWEEP:-0}" = 1 ]; then
+  # The backward's row groups (2026-12-04): fewer rows per group (more blocks in flight, more
+  # float32 partials), and the 80-register ring at every row width.
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 300 bash scripts/norm_sweep.sh \
+    "bwd_min_rows=32" "bwd_min_rows=16" "bwd_min_rows=8" "bwd_min_rows=4" "bwd_min_rows=8,bwd_r80=5" \
+    "bwd_min_rows=8,bwd_r80=7" "bwd_min_rows=32" > "$OUT/sweep_bwd.txt" 2>&1
+  grep " ms " "$OUT/sweep_bwd.txt"
+  rm -rf "$OUT/sweep"
+fi
+if [ "${SHAPES:-0}" = 1 ]; then
+  timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1
+  grep " us " "$OUT/shapes.txt" | cut -c1-200
+fi
 if [ "${SWEEP:-0}" = 1 ]; then
   SWEEP_H=1024,2048,4096,16384 timeout 200 bash scripts/norm_sweep.sh \
     "fwd_r80=0" "fwd_r80=1" "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1

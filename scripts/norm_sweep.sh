@@ -4,6 +4,7 @@
 # device time (CUDA-graph replays) and % of copy per case.
 #   OUT=dir bash scripts/norm_sweep.sh ["fwd_pt=4,bwd_pt=2" "fwd_pt=2,bwd_pt=1" ...]
 #   SWEEP_H=8192,16384 SWEEP_DT=bf16 SWEEP_NORMS=layernorm: the cases swept (defaults: 1024,4096,16384; bf16; both)
+#   SWEEP_PASSES=fwd: the passes timed (default fwd,fwd+bwd)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/gpu-out}/sweep
@@ -19,7 +20,7 @@ for t in "${SETTINGS[@]}"; do
   i=$((i + 1))
   APEX_NORM_TUNE=$t timeout 120 python3 "$ROOT/packages/apex-norm/benchmarks/bench_norm.py" \
     --out "$OUT/$i" --impls ours --hidden "${SWEEP_H:-1024,4096,16384}" --dtypes "${SWEEP_DT:-bf16}" \
-    --norms "${SWEEP_NORMS:-rmsnorm,layernorm}" \
+    --norms "${SWEEP_NORMS:-rmsnorm,layernorm}" --passes "${SWEEP_PASSES:-fwd,fwd+bwd}" \
     > "$OUT/$i.log" 2>&1 || echo "setting $t failed: see $OUT/$i.log"
   python3 - "$OUT/$i/bench_norm.json" "$t" <<'PY'
 import json, sys

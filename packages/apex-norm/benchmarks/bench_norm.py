@@ -89,7 +89,17 @@ def kernel_profile(fn, label: str) -> str:
     return "\n".join(lines)
 
 
-def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted, profile=None):
+def bench_case(
+    norm,
+    H,
+    dtype_name,
+    rows,
+    ceiling_tbps,
+    out_rows,
+    wanted,
+    profile=None,
+    passes=("fwd", "fwd+bwd"),
+):
     dtype = DTYPES[dtype_name]
     x = torch.randn(rows, H, device="cuda", dtype=dtype)
     xg = x.clone().requires_grad_(True)
@@ -112,6 +122,8 @@ def bench_case(norm, H, dtype_name, rows, ceiling_tbps, out_rows, wanted, profil
             torch.autograd.grad(y, [xg, *params], dy)
 
         for passname, f, nbytes in (("fwd", fwd, 2), ("fwd+bwd", fwd_bwd, 5)):
+            if passname not in passes:
+                continue
             # Device time: replays of a CUDA graph of the calls (the kernels alone, launch gaps
             # shrunk); wall: one eager call, host included, synchronised. Their ratio is the
             # host overhead the issue bounds (1.3x at H=1024).
@@ -188,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--norms", default="rmsnorm,layernorm")
     p.add_argument("--profile", action="store_true", help="also list ours' kernels per case")
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="which passes to time (tuning sweeps)")
     p.add_argument(
         "--impls",
         default="ours,torch,compile",
@@ -210,7 +223,15 @@ def main(argv=None) -> int:
         for dt in args.dtypes.split(","):
             for H in (int(h) for h in args.hidden.split(",")):
                 bench_case(
-                    norm, H, dt, args.rows, ceiling.tbps, rows, args.impls.split(","), profile
+                    norm,
+                    H,
+                    dt,
+                    args.rows,
+                    ceiling.tbps,
+                    rows,
+                    args.impls.split(","),
+                    profile,
+                    tuple(args.passes.split(",")),
                 )
     table = write(rows, ceiling, args.out, "bench_norm")
     header = (

@@ -271,7 +271,7 @@ __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const 
 // One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
 // then normalised and written from the registers. LEAN: weight, bias and output in the input's
 // 16-bit dtype (no dtype branches), and the row converted to float again for the output rather
-// than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 81 registers, not 126).
+// than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 86 registers, not 126).
 // Two kernels run it: fwd_fast (blocks of up to kMaxTX threads, so 128 registers at most) and
 // fwd_fast_r80 (LEAN at 80 registers: three blocks of 256 threads per SM); see Tune's fwd_r80.
 template <typename Tx, int NV, bool RMS, bool LEAN>
@@ -375,6 +375,10 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
         if (j < nvec) {
           float w[kVec], b[kVec], o[kVec];
           if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
+          // A compiler barrier: each vector's weight is loaded in its own step rather than all of
+          // them hoisted ahead and held (ptxas, nvcc 13.0 sm_90, bf16 at 8 vectors: fwd_fast_r80
+          // at 80 registers without the 8-24 bytes of spill it had, for RMSNorm and LayerNorm).
+          asm volatile("" ::: "memory");
           if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
@@ -1054,7 +1058,7 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
   return {tx, std::max(1, 256 / tx), 0};
 }
 
-// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=4,bwd_pt=2,fwd_pt16=8,bwd_pt16=2,fwd_waves=0,
+// The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=2,bwd_pt=2,fwd_pt16=8,bwd_pt16=2,fwd_waves=0,
 // bwd_waves=1,bwd_ring=2", read once) overrides them for tuning sweeps: *_pt vectors per thread
 // (*_pt16 for 16-bit input), *_waves the persistent grid in multiples of what fits at once (0: one
 // row group per block row, no persistence), bwd_ring the 16-bit backward's ring stages (see
@@ -1062,13 +1066,15 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
 // that GPUs with less shared memory take. Measured on an
 // H200 (2026-12-03, [32768, H], scripts/norm_sweep.sh): the forward without persistence and with
 // 128 bytes of a row per thread (8 vectors of bf16, 4 of float32) is fastest: RMSNorm bf16
-// H=4096 148 us against 199 us persistent and 221 us with 4 bf16 vectors; float32 96 % of copy.
+// H=4096 148 us against 199 us persistent and 221 us with 4 bf16 vectors. float32 (2026-12-04
+// 15:4x, H=4096 fwd, % of copy at fwd_pt = 4 / 2 / 1): RMSNorm 95.3 / 99.1 / 92.6, LayerNorm
+// 80.9 / 84.7 / 48.3, so 2 vectors (64 bytes) a thread.
 // The backward needs the persistent grid for its weight-gradient sums; 2 vectors per thread beat
 // 1 and 4 for bf16 at H = 1024, 4096, 16384. The 16-bit backward through the ring (12-03 13:45): RMSNorm bf16
 // fwd+bwd 60.6 / 80.6 / 82.8 % of copy at H = 1024 / 4096 / 16384 with 2 stages (3 and 4 the same
 // or slower), against 47.7 / 56.9 / 42.9 % for bwd_fast.
 struct Tune {
-  int fwd_pt = 4, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
+  int fwd_pt = 2, bwd_pt = 2, fwd_waves = 0, bwd_waves = 1;
   int fwd_pt16 = 8, bwd_pt16 = 2;  // the same for 16-bit input (a vector is 16 bytes, not 32)
   int bwd_ring = 2;  // rows in bwd_ring's ring (2 to 4); 0: off (bwd_vec, or bwd_fast as without the ring)
   int smem_kb = 0;   // >0: a block's shared memory capped at this many KB, as on a smaller GPU
@@ -1076,27 +1082,39 @@ struct Tune {
   // thread's moments, then a Chan merge over the group (float32 input always). Measured on an H200 (2026-12-03 23:3x, bf16 fwd, % of copy at
   // H = 1024 / 4096 / 16384): 54.6 / 76.7 / 77.5 against 49.1 / 69.9 / 68.0.
   int ln_one_pass = 1;
-  // The 16-bit forward (weight, bias and output in its dtype) through fwd_fast_r80, else through
-  // fwd_fast's LEAN variant: value 1 LayerNorm, 2 RMSNorm, 3 both, 0 neither. Measured on an H200 (2026-12-04
-  // 02:2x, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 / 16384): LayerNorm 78.4 / 86.0 / 82.2 /
-  // 89.3 through it against 70.2 / 77.8 / 77.8 / 79.0; RMSNorm 75.4 / 79.7 / 80.3 / 85.0 against
-  // 78.3 / 82.2 / 82.8 / 88.8 (its 80 registers spill 16 bytes). RMSNorm through fwd_fast without
-  // LEAN (02:47): 68.9 / 72.7 / 68.5 / 70.9, slower than either.
-  int fwd_r80 = 1;
-  // The 16-bit backward's ring at 2 vectors a thread and rows of 128-256 threads (not
+  // The 16-bit forward at 8 vectors a thread (weight, bias and output in its dtype) through
+  // fwd_fast_r80, else through fwd_fast's LEAN variant: value 1 LayerNorm, 2 RMSNorm, 3 both, 0
+  // neither. At fewer vectors the row fits without the cap, and the cap there measured slower
+  // (bf16 RMSNorm H=1024 / 2048 at 2 vectors: 0.0426 / 0.0830 ms against 0.0363 / 0.0698;
+  // LayerNorm at 4 vectors 0.0443 / 0.0886 / 0.1713 at H = 1024..4096 against 0.0418 / 0.0791 /
+  // 0.1523). Measured on an H200 (2026-12-04 16:0x, ours only, bf16 fwd ms at H = 1024 / 2048 /
+  // 4096 / 8192 / 16384, fwd_fast_r80 at 80 registers without spill, see fwd_rows): RMSNorm
+  // through it at 8 vectors 0.0372 / 0.0699 / 0.1355 / 0.2630 / 0.5150 against 0.0363 (2
+  // vectors, rms_short_pt16) / 0.0698 / 0.1441 / 0.2805 / 0.5582 through LEAN (86 registers);
+  // LayerNorm 0.0410 / 0.0742 / 0.1509 / 0.2993 / 0.5742 (0.0427 / 0.0769 / 0.1531 / 0.3031 /
+  // 0.6289 at 15:4x while it spilled 24 bytes).
+  int fwd_r80 = 3;
+  // The 16-bit backward's ring at 2 vectors a thread and rows of up to 256 threads (not
   // memory_efficient) through bwd_ring_r80 (80 registers): 1 LayerNorm, 2 RMSNorm, 3 both, 0
   // neither. ptxas (nvcc 13.0, sm_90, bf16): LayerNorm 96 -> 80 registers (16 bytes of spill
-  // stores); RMSNorm 64 in bwd_ring but 72 in bwd_ring_r80 (fewer blocks per SM: not measured,
-  // off by default). Measured on an H200 (2026-12-04 14:2x, scripts/norm_sweep.sh, LayerNorm bf16
-  // fwd+bwd % of copy, through it in two runs / not): H=2048 68.7, 68.9 / 66.7; H=4096 69.5, 70.1
-  // / 66.5; and with all of 2 vectors a thread through it, H=1024 60.0, 60.6 / 60.9 and H=8192
-  // (512 threads) 65.4, 65.5 / 65.9, where it stays off.
-  int bwd_r80 = 1;
+  // stores); RMSNorm 64 in bwd_ring, 72 in bwd_ring_r80. Measured on an H200, scripts/norm_sweep.sh,
+  // bf16 fwd+bwd: LayerNorm (12-04 14:2x, % of copy, through it in two runs / not) H=2048 68.7,
+  // 68.9 / 66.7; H=4096 69.5, 70.1 / 66.5; H=1024 (64 threads) 60.0, 60.6 / 60.9; H=8192 (512
+  // threads) 65.4, 65.5 / 65.9. RMSNorm (12-04 16:0x, ms, through it / two runs not) H=1024
+  // 0.1082 / 0.1136, 0.1141; 2048 0.1969 / 0.2022, 0.2002; 4096 0.3872 / 0.3933, 0.3926; H=8192
+  // 0.8314 / 0.7703, 0.7671, so rows of 512 threads keep bwd_ring.
+  int bwd_r80 = 3;
+  // 16-bit RMSNorm's forward on rows of at most 256 vectors (H <= 2048): vectors per thread (0:
+  // fwd_pt16). Measured on an H200 (2026-12-04 15:4x, bf16 fwd, scripts/norm_sweep.sh, ours only,
+  // ms at H = 1024 / 2048): 2 vectors 0.0357 / 0.0677, 4 0.0360 / 0.0692, 8 0.0377 / 0.0697;
+  // LayerNorm there is fastest at 8 (0.0427 / 0.0769 against 0.0576 / 0.1124 at 2).
+  int rms_short_pt16 = 2;
 };
 
 int key_min(const std::string& key) {
   const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
-                       key == "ln_one_pass" || key == "fwd_r80" || key == "bwd_r80";
+                       key == "ln_one_pass" || key == "fwd_r80" || key == "bwd_r80" ||
+                       key == "rms_short_pt16";
   return zero_ok ? 0 : 1;
 }
 
@@ -1126,6 +1144,7 @@ const Tune& tune() {
         if (key == "ln_one_pass") v.ln_one_pass = val;
         if (key == "fwd_r80") v.fwd_r80 = val;
         if (key == "bwd_r80") v.bwd_r80 = val;
+        if (key == "rms_short_pt16") v.rms_short_pt16 = val;
       }
       pos = end + 1;
     }
@@ -1243,8 +1262,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             static_cast<float>(eps), wt, yt, tune().ln_one_pass > 0};
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
-  const Config c =
-      pick(H, aligned, 8, input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt, 1);
+  // 16-bit RMSNorm rows of at most 256 vectors (H <= 2048) at rms_short_pt16 vectors a thread.
+  int per_thread = input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt;
+  if (RMS && input.element_size() == 2 && H <= 256 * kVec && tune().rms_short_pt16 > 0) {
+    per_thread = tune().rms_short_pt16;
+  }
+  const Config c = pick(H, aligned, 8, per_thread, 1);
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -1257,7 +1280,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
       auto kernel = fwd_fast<Tx, NV, RMS, false>;
       if constexpr (sizeof(Tx) == 2) {
         if (same) {
-          kernel = (tune().fwd_r80 & (RMS ? 2 : 1)) ? fwd_fast_r80<Tx, NV, RMS> : fwd_fast<Tx, NV, RMS, true>;
+          kernel = fwd_fast<Tx, NV, RMS, true>;
+          // The cap only at 8 vectors a thread, where the row needs more than 80 registers.
+          if constexpr (NV == 8) {
+            if (tune().fwd_r80 & (RMS ? 2 : 1)) kernel = fwd_fast_r80<Tx, NV, RMS>;
+          }
         }
       }
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
@@ -1401,7 +1428,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         if constexpr (kRing) {
           if (packed && ring) {
             if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
-              if ((tune().bwd_r80 & (RMS ? 2 : 1)) && !memory_efficient && c.tx >= 128 && c.tx <= 256) {
+              if ((tune().bwd_r80 & (RMS ? 2 : 1)) && !memory_efficient && c.tx <= 256) {
                 return launch(bwd_ring_r80<Tx, NV, RMS, false>, true);
               }
             }
