@@ -35,6 +35,31 @@ if [ "${BWD_SWEEP:-0}" = 1 ]; then
   grep " ms " "$OUT/sweep_bwd.txt"
   rm -rf "$OUT/sweep"
 fi
+if [ "${NCU:-0}" = 1 ]; then
+  # Nsight Compute on the 16-bit forward and ring backward kernels of both norms at H = 4096
+  # (one launch each; hardware counters where the machine's runtime lets ncu read them).
+  timeout 240 ncu --clock-control none -k regex:"fwd_fast|bwd_ring" --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats python3 scripts/ncu_norm_driver.py 4096 > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"
+  grep -E "fwd_fast|bwd_ring|Throughput|Duration|Stall|Achieved Occupancy|Registers|Eligible|Issued Warp|One or More|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit" "$OUT/ncu.txt" | cut -c1-150
+fi
+if [ "${BWD_LEAN:-0}" = 1 ]; then
+  # The ring backward's LEAN variant (weight, bias and grad_input in the input's dtype) against
+  # the general one, and RMSNorm's one-value group sums in both (2026-12-04).
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 150 bash scripts/norm_sweep.sh "bwd_lean=1" \
+    "bwd_lean=0" "bwd_lean=1" "bwd_lean=0" > "$OUT/sweep_lean.txt" 2>&1
+  grep " ms " "$OUT/sweep_lean.txt"
+  rm -rf "$OUT/sweep"
+fi
+if [ "${BWD_PT4:-0}" = 1 ]; then
+  # The backward at 4 vectors a thread (the ring with LayerNorm's bias sums in shared memory) on
+  # rows of H = 4096 and 8192, against the default 2.
+  SWEEP_PASSES=fwd+bwd SWEEP_H=4096,8192 timeout 120 bash scripts/norm_sweep.sh "bwd_pt16=2" "bwd_pt16=4" \
+    "bwd_pt16=2" > "$OUT/sweep_bwd4.txt" 2>&1
+  grep " ms " "$OUT/sweep_bwd4.txt"
+  rm -rf "$OUT/sweep"
+fi
 if [ "${SHAPES:-0}" = 1 ]; then
   timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1
   grep " us " "$OUT/shapes.txt" | cut -c1-200

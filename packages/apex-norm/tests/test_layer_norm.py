@@ -371,9 +371,9 @@ def backward_against_torch(norm, H, rows, dtype, device):
 BIG_SMEM = [("layer", 16384, torch.float32), ("layer", 16384, torch.bfloat16),
             ("layer", 8192, torch.float32), ("rms", 16384, torch.bfloat16)]  # fmt: skip
 # The subprocess cases below add 16-bit rows of 2 vectors a thread (the backward's bwd_ring_r80,
-# RMSNorm's short-row forward).
+# RMSNorm's short-row forward) and LayerNorm's H=8192 backward at 4 vectors a thread.
 KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bfloat16),
-                         ("rms", 1024, torch.float16)]  # fmt: skip
+                         ("rms", 1024, torch.float16), ("layer", 8192, torch.bfloat16)]  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -384,6 +384,7 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
         "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
         "fwd_r80=0,bwd_r80=0",  # the 16-bit kernels without their 80-register caps
+        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0",  # the general ring, 2-vector rows at H=8192
     ],
 )
 def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path, tune):

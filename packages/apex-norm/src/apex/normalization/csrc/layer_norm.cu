@@ -213,6 +213,20 @@ struct GroupSum {
     }
     return t;
   }
+
+  // The same for one value (RMSNorm's single sum): half the shuffles and slot reads.
+  __device__ __forceinline__ float one(float a) {
+    if (blockDim.x < 32) return lane_sum(a, blockDim.x);
+    a = warp_sum(a);
+    if (blockDim.x == 32) return a;
+    float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
+    parity ^= 1;
+    if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5].x = a;
+    __syncthreads();
+    float t = s[0].x;
+    for (int w = 1; w < int(blockDim.x >> 5); ++w) t += s[w].x;
+    return t;
+  }
 };
 
 // (count, mean, M2) of two disjoint sets merged; `lo` is the one of lower rank, so every thread
@@ -303,7 +317,7 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
           for (int e = 0; e < kVec; ++e) q = fmaf(elem(cur[k], e), elem(cur[k], e), q);
         }
       }
-      r = rsqrtf(gsum(q, 0.f).x * inv_h + a.eps);
+      r = rsqrtf(gsum.one(q) * inv_h + a.eps);
     } else if (sizeof(Tx) == 2 && a.one_pass) {
       // The row's sums of d = x - K and d^2 in one group sum (one barrier, as RMSNorm's), K the
       // row's first element: var = E[d^2] - E[d]^2. K is one of the row's values, so
@@ -490,7 +504,7 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 // row's two sums over its group, then grad_input written; acc(i, dy, x-hat) adds element i's
 // terms (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a
 // barrier inside); `live`: the row exists.
-template <typename Tx, int NV, bool RMS, bool ME, typename Acc>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Acc>
 __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const Pack<Tx> (&xc)[NV],
                                         const Pack<Tx> (&gc)[NV], float muc, float rc,
                                         int64_t row, bool live, Acc&& acc) {
@@ -503,21 +517,22 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
     if (live && j < nvec) {
       float w[kVec], b[kVec];
-      if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-      if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+      if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
+      if (has_b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
                                       has_b ? b[e] : 0.f);
         const float dy = elem(gc[k], e);
         const float g = a.w ? dy * w[e] : dy;
-        sg += g;
+        if (!RMS) sg += g;
         sgx = fmaf(g, xv, sgx);
         acc(k * kVec + e, dy, xv);
       }
     }
   }
-  const float2 t = gsum(sg, sgx);
+  // RMSNorm has no mean term: one sum.
+  const float2 t = RMS ? make_float2(0.f, gsum.one(sgx)) : gsum(sg, sgx);
   const float mg = RMS ? 0.f : t.x * inv_h;
   const float mgx = t.y * inv_h;
   if (!live) return;
@@ -526,8 +541,8 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
     if (j < nvec) {
       float w[kVec], b[kVec], o[kVec];
-      if (a.w) load_vec_dt(a.w, a.wt, j * kVec, w);
-      if (has_b) load_vec_dt(a.b, a.wt, j * kVec, b);
+      if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
+      if (has_b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
@@ -536,7 +551,7 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
         const float g = a.w ? dy * w[e] : dy;
         o[e] = rc * (g - mg - xv * mgx);
       }
-      store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
+      store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
     }
   }
 }
@@ -629,7 +644,7 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
         }
       }
     }
-    bwd_row<Tx, NV, RMS, ME>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+    bwd_row<Tx, NV, RMS, ME, false>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
       if (sums) {
         float* pw = acc_w + i * nthreads;
         *pw = fmaf(dy, xv, *pw);
@@ -735,7 +750,7 @@ __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv *
 // would be more than 32 floats a thread.
 __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
-template <typename Tx, int NV, bool RMS, bool ME>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
   constexpr bool kBS = ring_bias_in_smem(NV, RMS);
@@ -806,7 +821,7 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     }
     const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
-    bwd_row<Tx, NV, RMS, ME>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+    bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
       if constexpr (kBS) {
         if (sum_b) acc_bs[i * nthreads] += dy;
@@ -833,15 +848,15 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool ME>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN>(a);
 }
 
 // bwd_ring at 80 registers (see Tune's bwd_r80).
-template <typename Tx, int NV, bool RMS, bool ME>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1109,12 +1124,23 @@ struct Tune {
   // ms at H = 1024 / 2048): 2 vectors 0.0357 / 0.0677, 4 0.0360 / 0.0692, 8 0.0377 / 0.0697;
   // LayerNorm there is fastest at 8 (0.0427 / 0.0769 against 0.0576 / 0.1124 at 2).
   int rms_short_pt16 = 2;
+  // The 16-bit backward on rows of more than 512 vectors (H > 4096): vectors per thread (0:
+  // bwd_pt16), so H = 8192 runs rows of 256 threads at 4 vectors (two blocks per SM), not 512 at
+  // 2 (one for LayerNorm's 96 registers). Measured on an H200 (2026-12-04 16:15, ours only, bf16
+  // fwd+bwd ms, bwd_pt16=4 / =2 in two runs): H=8192 RMSNorm 0.7322 / 0.7523, 0.7499, LayerNorm
+  // 0.9295 / 0.9851, 0.9869; at H=4096 4 vectors were no better (RMSNorm 0.3765 / 0.3803,
+  // 0.3808; LayerNorm 0.4712 / 0.4546, 0.4551), so rows up to 4096 keep bwd_pt16.
+  int bwd_wide_pt16 = 4;
+  // 1: the ring backward at 1-2 vectors a thread (not memory_efficient) with weight, bias and
+  // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
+  // vector); 0: the general one.
+  int bwd_lean = 1;
 };
 
 int key_min(const std::string& key) {
   const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
                        key == "ln_one_pass" || key == "fwd_r80" || key == "bwd_r80" ||
-                       key == "rms_short_pt16";
+                       key == "rms_short_pt16" || key == "bwd_wide_pt16" || key == "bwd_lean";
   return zero_ok ? 0 : 1;
 }
 
@@ -1145,6 +1171,8 @@ const Tune& tune() {
         if (key == "fwd_r80") v.fwd_r80 = val;
         if (key == "bwd_r80") v.bwd_r80 = val;
         if (key == "rms_short_pt16") v.rms_short_pt16 = val;
+        if (key == "bwd_wide_pt16") v.bwd_wide_pt16 = val;
+        if (key == "bwd_lean") v.bwd_lean = val;
       }
       pos = end + 1;
     }
@@ -1364,11 +1392,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             nullptr, nullptr, rows, H, static_cast<float>(eps), dyt, wt, dxt, memory_efficient};
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
-  const Config c = pick(H, aligned, 4, xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt, 32);
+  int per_thread = xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt;
+  if (xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide_pt16 > 0) per_thread = tune().bwd_wide_pt16;
+  const Config c = pick(H, aligned, 4, per_thread, 32);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
   const int device = xy.get_device();
   const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
+  // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's dtype.
+  const bool lean = tune().bwd_lean > 0 && (!weight || weight->scalar_type() == xy.scalar_type()) &&
+                    (!bias || bias->scalar_type() == xy.scalar_type()) && dx.scalar_type() == xy.scalar_type();
   at::Tensor part_w, part_b;
   int64_t groups = 0;
   dispatch_x(xy.scalar_type(), [&](auto tag) {
@@ -1427,12 +1460,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         constexpr bool kFast = !kRing || ring_bias_in_smem(NV, RMS);
         if constexpr (kRing) {
           if (packed && ring) {
-            if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
-              if ((tune().bwd_r80 & (RMS ? 2 : 1)) && !memory_efficient && c.tx <= 256) {
-                return launch(bwd_ring_r80<Tx, NV, RMS, false>, true);
+            if (memory_efficient) return launch(bwd_ring<Tx, NV, RMS, true, false>, true);
+            // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
+            auto plain = [&](auto lean_tag) {
+              constexpr bool L = decltype(lean_tag)::value;
+              if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
+                if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) return launch(bwd_ring_r80<Tx, NV, RMS, false, L>, true);
               }
+              launch(bwd_ring<Tx, NV, RMS, false, L>, true);
+            };
+            // At 4 vectors a thread LEAN took more registers (ptxas, bf16: LayerNorm 128 with a
+            // 24-byte spill against 125, RMSNorm 122 against 115), so only rows of 1-2 vectors.
+            if constexpr (NV <= 2) {
+              if (lean) return plain(std::true_type{});
             }
-            return launch(memory_efficient ? bwd_ring<Tx, NV, RMS, true> : bwd_ring<Tx, NV, RMS, false>, true);
+            return plain(std::false_type{});
           }
         }
         if constexpr (kFast) {
