@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One GPU call for apex-norm (2026-12-04): compile, the `cuda` tests of apex-norm, then, each
-# when asked: SWEEP=1 the forward's register caps and fixed-dtype kernels (APEX_NORM_TUNE fwd_r80)
-# and the backward's vectors per thread at H=1024; HOST=1 the host cost per eager call
-# (scripts/host_norm.py); BENCH=1 bench_norm (bf16 every H, fp32 H=4096; ours, torch eager,
-# torch.compile); FWD_SWEEP=1 / BWD_SWEEP=1 the forward's and backward's launch shapes (ours
-# only, scripts/norm_sweep.sh); SHAPES=1 the launch shapes of ours and torch.compile's kernels
-# (scripts/norm_kernel_shapes.py); NO_TESTS=1 compiles without the tests. Everything under $OUT
-# (bench.tgz holds the benchmark tables).
+# when asked (ours only unless said; sweeps through scripts/norm_sweep.sh, one process per
+# APEX_NORM_TUNE setting):
+#   FWD_SWEEP=1  the forward's register caps and vectors per thread, float32's vectors per thread
+#   BWD_SWEEP=1  the backward's register caps and row widths
+#   BWD_LEAN=1   the ring backward's LEAN variant against the general one
+#   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096
+#   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
+#   HOST=1       the host cost per eager call (scripts/host_norm.py)
+#   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
+#   NO_TESTS=1   compile only, no tests
+# Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
 if [ "${NO_TESTS:-0}" = 1 ]; then
@@ -27,11 +31,11 @@ if [ "${FWD_SWEEP:-0}" = 1 ]; then
   rm -rf "$OUT/sweep"
 fi
 if [ "${BWD_SWEEP:-0}" = 1 ]; then
-  # The backward's row groups (2026-12-04): fewer rows per group (more blocks in flight, more
-  # float32 partials), and the 80-register ring at every row width.
+  # The backward's 80-register ring per norm (bwd_r80: 1 LayerNorm, 2 RMSNorm) and the 4-vector
+  # rows above H = 4096 (bwd_wide_pt16=0: 2 vectors there). 16:04 and 16:15 UTC swept the same
+  # questions with knobs since folded into these (bwd_min_rows, bwd_pt16; see NOTES.md).
   SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 300 bash scripts/norm_sweep.sh \
-    "bwd_min_rows=32" "bwd_min_rows=16" "bwd_min_rows=8" "bwd_min_rows=4" "bwd_min_rows=8,bwd_r80=5" \
-    "bwd_min_rows=8,bwd_r80=7" "bwd_min_rows=32" > "$OUT/sweep_bwd.txt" 2>&1
+    "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_wide_pt16=0" "bwd_r80=3" > "$OUT/sweep_bwd.txt" 2>&1
   grep " ms " "$OUT/sweep_bwd.txt"
   rm -rf "$OUT/sweep"
 fi
@@ -46,31 +50,16 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 if [ "${BWD_LEAN:-0}" = 1 ]; then
   # The ring backward's LEAN variant (weight, bias and grad_input in the input's dtype) against
-  # the general one, and RMSNorm's one-value group sums in both (2026-12-04).
-  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 150 bash scripts/norm_sweep.sh "bwd_lean=1" \
+  # the general one (both with RMSNorm's one-value group sums). At 16:25 UTC this ran as
+  # `SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096 norm_sweep.sh bwd_lean=1 bwd_lean=0`, one run each.
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 timeout 150 bash scripts/norm_sweep.sh "bwd_lean=1" \
     "bwd_lean=0" "bwd_lean=1" "bwd_lean=0" > "$OUT/sweep_lean.txt" 2>&1
   grep " ms " "$OUT/sweep_lean.txt"
-  rm -rf "$OUT/sweep"
-fi
-if [ "${BWD_PT4:-0}" = 1 ]; then
-  # The backward at 4 vectors a thread (the ring with LayerNorm's bias sums in shared memory) on
-  # rows of H = 4096 and 8192, against the default 2.
-  SWEEP_PASSES=fwd+bwd SWEEP_H=4096,8192 timeout 120 bash scripts/norm_sweep.sh "bwd_pt16=2" "bwd_pt16=4" \
-    "bwd_pt16=2" > "$OUT/sweep_bwd4.txt" 2>&1
-  grep " ms " "$OUT/sweep_bwd4.txt"
   rm -rf "$OUT/sweep"
 fi
 if [ "${SHAPES:-0}" = 1 ]; then
   timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1
   grep " us " "$OUT/shapes.txt" | cut -c1-200
-fi
-if [ "${SWEEP:-0}" = 1 ]; then
-  SWEEP_H=1024,2048,4096,16384 timeout 200 bash scripts/norm_sweep.sh \
-    "fwd_r80=0" "fwd_r80=1" "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1
-  grep " fwd " "$OUT/sweep_fwd.txt"
-  SWEEP_H=1024 timeout 60 bash scripts/norm_sweep.sh "bwd_pt16=1" "bwd_pt16=4" > "$OUT/sweep_bwd.txt" 2>&1
-  grep "fwd+bwd" "$OUT/sweep_bwd.txt" "$OUT/sweep_fwd.txt" | grep "1024\]"
-  rm -rf "$OUT/sweep"
 fi
 if [ "${HOST:-0}" = 1 ]; then
   timeout 60 python3 scripts/host_norm.py 1024 > "$OUT/host_norm.txt" 2>&1

@@ -35,7 +35,8 @@ def shapes(fn, reps: int = 5) -> list[dict]:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     kernels: dict[str, dict] = {}
     for e in events:
         if e.get("cat") != "kernel":

@@ -387,7 +387,7 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0",  # the general ring, 2-vector rows at H=8192
     ],
 )
-def test_cuda_backward_on_a_gpu_with_less_shared_memory(tmp_path, tune):
+def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
     fresh one), the ring or the one-pass forward off, or the 16-bit kernels without their
     register caps, each case takes another kernel and is still right."""

@@ -576,9 +576,10 @@ def multi_tensor_adagrad(
             continue
         gf, pf, hf = g.float(), p.float(), h.float()
         if adagrad_w_mode == 0:
-            gf = gf + weight_decay * pf
-            hf = hf + gf * gf
-            pf = pf - lr * (gf / (hf.sqrt() + eps))
+            # torch.optim.Adagrad's own ops (addcmul, addcdiv): its rounding on every CPU.
+            gf = gf.add(pf, alpha=weight_decay)
+            hf = hf.addcmul(gf, gf)
+            pf = pf.addcdiv(gf, hf.sqrt().add(eps), value=-lr)
         else:
             hf = hf + gf * gf
             pf = pf - lr * (gf / (hf.sqrt() + eps) + weight_decay * pf)

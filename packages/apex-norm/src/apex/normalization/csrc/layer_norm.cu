@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -501,7 +502,7 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 }
 
 // One row of the packed backward kernels (bwd_fast, bwd_ring) on the vectors a thread holds: the
-// row's two sums over its group, then grad_input written; acc(i, dy, x-hat) adds element i's
+// row's sums over its group (two for LayerNorm, one for RMSNorm), then grad_input written; acc(i, dy, x-hat) adds element i's
 // terms (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a
 // barrier inside); `live`: the row exists.
 template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Acc>
@@ -532,9 +533,14 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
     }
   }
   // RMSNorm has no mean term: one sum.
-  const float2 t = RMS ? make_float2(0.f, gsum.one(sgx)) : gsum(sg, sgx);
-  const float mg = RMS ? 0.f : t.x * inv_h;
-  const float mgx = t.y * inv_h;
+  float mg = 0.f, mgx;
+  if constexpr (RMS) {
+    mgx = gsum.one(sgx) * inv_h;
+  } else {
+    const float2 t = gsum(sg, sgx);
+    mg = t.x * inv_h;
+    mgx = t.y * inv_h;
+  }
   if (!live) return;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
@@ -1074,18 +1080,22 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
 }
 
 // The launch shape's knobs. APEX_NORM_TUNE ("fwd_pt=2,bwd_pt=2,fwd_pt16=8,bwd_pt16=2,fwd_waves=0,
-// bwd_waves=1,bwd_ring=2", read once) overrides them for tuning sweeps: *_pt vectors per thread
+// bwd_waves=1,bwd_ring=2", read once; every field of Tune below by name, an unknown name
+// warned about) overrides them for tuning sweeps: *_pt vectors per thread
 // (*_pt16 for 16-bit input), *_waves the persistent grid in multiples of what fits at once (0: one
 // row group per block row, no persistence), bwd_ring the 16-bit backward's ring stages (see
 // bwd_ring); smem_kb caps a block's shared memory (0: the device's), for tests of the fallbacks
 // that GPUs with less shared memory take. Measured on an
 // H200 (2026-12-03, [32768, H], scripts/norm_sweep.sh): the forward without persistence and with
-// 128 bytes of a row per thread (8 vectors of bf16, 4 of float32) is fastest: RMSNorm bf16
-// H=4096 148 us against 199 us persistent and 221 us with 4 bf16 vectors. float32 (2026-12-04
-// 15:4x, H=4096 fwd, % of copy at fwd_pt = 4 / 2 / 1): RMSNorm 95.3 / 99.1 / 92.6, LayerNorm
-// 80.9 / 84.7 / 48.3, so 2 vectors (64 bytes) a thread.
+// 128 bytes of a row per thread (8 vectors of bf16) is fastest: RMSNorm bf16 H=4096 148 us
+// against 199 us persistent and 221 us with 4 bf16 vectors (that kernel; see rms_short_pt16 for
+// RMSNorm's short rows now). float32 (2026-12-04 15:4x, H=4096 fwd, % of copy at fwd_pt = 4 / 2
+// / 1): RMSNorm 95.3 / 99.1 / 92.6, LayerNorm 80.9 / 84.7 / 48.3, so 2 vectors (64 bytes) a
+// thread; 16:0x at H = 1024 / 16384: RMSNorm 93.3 / 80.6 against 92.1 / 80.8 at 4, LayerNorm
+// 86.7 / 65.0 against 82.5 / 65.2.
 // The backward needs the persistent grid for its weight-gradient sums; 2 vectors per thread beat
-// 1 and 4 for bf16 at H = 1024, 4096, 16384. The 16-bit backward through the ring (12-03 13:45): RMSNorm bf16
+// 1 and 4 for bf16 at H = 1024, 4096, 16384 in bwd_fast (12-03; rows of H > 4096 now take 4, see
+// bwd_wide_pt16). The 16-bit backward through the ring (12-03 13:45): RMSNorm bf16
 // fwd+bwd 60.6 / 80.6 / 82.8 % of copy at H = 1024 / 4096 / 16384 with 2 stages (3 and 4 the same
 // or slower), against 47.7 / 56.9 / 42.9 % for bwd_fast.
 struct Tune {
@@ -1101,35 +1111,42 @@ struct Tune {
   // fwd_fast_r80, else through fwd_fast's LEAN variant: value 1 LayerNorm, 2 RMSNorm, 3 both, 0
   // neither. At fewer vectors the row fits without the cap, and the cap there measured slower
   // (bf16 RMSNorm H=1024 / 2048 at 2 vectors: 0.0426 / 0.0830 ms against 0.0363 / 0.0698;
-  // LayerNorm at 4 vectors 0.0443 / 0.0886 / 0.1713 at H = 1024..4096 against 0.0418 / 0.0791 /
-  // 0.1523). Measured on an H200 (2026-12-04 16:0x, ours only, bf16 fwd ms at H = 1024 / 2048 /
-  // 4096 / 8192 / 16384, fwd_fast_r80 at 80 registers without spill, see fwd_rows): RMSNorm
-  // through it at 8 vectors 0.0372 / 0.0699 / 0.1355 / 0.2630 / 0.5150 against 0.0363 (2
-  // vectors, rms_short_pt16) / 0.0698 / 0.1441 / 0.2805 / 0.5582 through LEAN (86 registers);
-  // LayerNorm 0.0410 / 0.0742 / 0.1509 / 0.2993 / 0.5742 (0.0427 / 0.0769 / 0.1531 / 0.3031 /
-  // 0.6289 at 15:4x while it spilled 24 bytes).
+  // LayerNorm at 4 vectors, 15:4x build, 0.0443 / 0.0886 / 0.1713 at H = 1024..4096 against
+  // 0.0418 / 0.0791 / 0.1523 in the 16:0x one). Measured on an H200 (2026-12-04 16:0x, ours
+  // only, bf16 fwd ms at H = 1024 / 2048 / 4096 / 8192 / 16384, fwd_fast_r80 at 80 registers
+  // without spill, see fwd_rows): RMSNorm through it at 8 vectors 0.0372 / 0.0699 / 0.1355 /
+  // 0.2630 / 0.5150 against 0.0363 (2 vectors, rms_short_pt16) / 0.0698 / 0.1441 / 0.2805 /
+  // 0.5582 through LEAN (86 registers); LayerNorm 0.0410 / 0.0742 / 0.1509 / 0.2993 / 0.5742
+  // (two runs of the 15:4x build, which spilled 24 bytes: 0.0427-0.0429 / 0.0769-0.0770 /
+  // 0.1524-0.1531 / 0.3031-0.3036 / 0.6152-0.6289).
   int fwd_r80 = 3;
   // The 16-bit backward's ring at 2 vectors a thread and rows of up to 256 threads (not
-  // memory_efficient) through bwd_ring_r80 (80 registers): 1 LayerNorm, 2 RMSNorm, 3 both, 0
-  // neither. ptxas (nvcc 13.0, sm_90, bf16): LayerNorm 96 -> 80 registers (16 bytes of spill
-  // stores); RMSNorm 64 in bwd_ring, 72 in bwd_ring_r80. Measured on an H200, scripts/norm_sweep.sh,
-  // bf16 fwd+bwd: LayerNorm (12-04 14:2x, % of copy, through it in two runs / not) H=2048 68.7,
-  // 68.9 / 66.7; H=4096 69.5, 70.1 / 66.5; H=1024 (64 threads) 60.0, 60.6 / 60.9; H=8192 (512
-  // threads) 65.4, 65.5 / 65.9. RMSNorm (12-04 16:0x, ms, through it / two runs not) H=1024
-  // 0.1082 / 0.1136, 0.1141; 2048 0.1969 / 0.2022, 0.2002; 4096 0.3872 / 0.3933, 0.3926; H=8192
-  // 0.8314 / 0.7703, 0.7671, so rows of 512 threads keep bwd_ring.
+  // memory_efficient) through bwd_ring_r80 (__maxnreg__(80)): 1 LayerNorm, 2 RMSNorm, 3 both, 0
+  // neither. ptxas (nvcc 13.0, sm_90, bf16, general / LEAN variant): LayerNorm 96 / 98 registers
+  // in bwd_ring, 80 in bwd_ring_r80 (8 bytes of spill stores / none); RMSNorm 64 / 63 in
+  // bwd_ring but 78 / 80 in bwd_ring_r80: for RMSNorm the cap adds registers, three blocks of
+  // 256 threads per SM instead of four, and measured faster. Measured on an H200,
+  // scripts/norm_sweep.sh, bf16 fwd+bwd: LayerNorm (12-04 14:2x, % of copy, through it in two
+  // runs / not) H=2048 68.7, 68.9 / 66.7; H=4096 69.5, 70.1 / 66.5; H=1024 (64 threads) 60.0,
+  // 60.6 / 60.9 (16:0x, ms: 0.1303, 0.1318 / 0.1295-0.1309: no gain there, taken for one rule);
+  // H=8192 (512 threads) 65.4, 65.5 / 65.9. RMSNorm (12-04 16:0x, ms, through it / two runs not)
+  // H=1024 0.1082 / 0.1136, 0.1141; 2048 0.1969 / 0.2022, 0.2002; 4096 0.3872 / 0.3933, 0.3926;
+  // H=8192 0.8314 / 0.7703, 0.7671, so rows of 512 threads keep bwd_ring.
   int bwd_r80 = 3;
   // 16-bit RMSNorm's forward on rows of at most 256 vectors (H <= 2048): vectors per thread (0:
   // fwd_pt16). Measured on an H200 (2026-12-04 15:4x, bf16 fwd, scripts/norm_sweep.sh, ours only,
-  // ms at H = 1024 / 2048): 2 vectors 0.0357 / 0.0677, 4 0.0360 / 0.0692, 8 0.0377 / 0.0697;
-  // LayerNorm there is fastest at 8 (0.0427 / 0.0769 against 0.0576 / 0.1124 at 2).
+  // ms at H = 1024 / 2048): 2 vectors 0.0357 / 0.0677, 4 0.0360 / 0.0692, 8 0.0376-0.0377 /
+  // 0.0697 (two runs); at 2048 within run noise of 8 (16:0x: 0.0698-0.0700 at 2, 0.0699 at 8).
+  // LayerNorm there is fastest at 8 (0.0427-0.0429 / 0.0769-0.0770 against 0.0576 / 0.1124 at 2).
   int rms_short_pt16 = 2;
   // The 16-bit backward on rows of more than 512 vectors (H > 4096): vectors per thread (0:
   // bwd_pt16), so H = 8192 runs rows of 256 threads at 4 vectors (two blocks per SM), not 512 at
   // 2 (one for LayerNorm's 96 registers). Measured on an H200 (2026-12-04 16:15, ours only, bf16
   // fwd+bwd ms, bwd_pt16=4 / =2 in two runs): H=8192 RMSNorm 0.7322 / 0.7523, 0.7499, LayerNorm
-  // 0.9295 / 0.9851, 0.9869; at H=4096 4 vectors were no better (RMSNorm 0.3765 / 0.3803,
-  // 0.3808; LayerNorm 0.4712 / 0.4546, 0.4551), so rows up to 4096 keep bwd_pt16.
+  // 0.9295 / 0.9851, 0.9869; at H=4096 RMSNorm 0.3765 / 0.3803, 0.3808 (1 %), LayerNorm 0.4712 /
+  // 0.4546, 0.4551 (slower), so rows up to 4096 keep bwd_pt16. LayerNorm only where its 4-vector
+  // ring (bias sums in shared memory) fits the device: on GPUs of ~100 KB a block (sm_86, sm_89,
+  // sm_120) its H=8192 row would lose the ring to bwd_fast, so it keeps 2 vectors there.
   int bwd_wide_pt16 = 4;
   // 1: the ring backward at 1-2 vectors a thread (not memory_efficient) with weight, bias and
   // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
@@ -1173,6 +1190,12 @@ const Tune& tune() {
         if (key == "rms_short_pt16") v.rms_short_pt16 = val;
         if (key == "bwd_wide_pt16") v.bwd_wide_pt16 = val;
         if (key == "bwd_lean") v.bwd_lean = val;
+        static const char* const kKeys[] = {"fwd_pt", "bwd_pt", "fwd_waves", "bwd_waves", "fwd_pt16",
+                                            "bwd_pt16", "bwd_ring", "smem_kb", "ln_one_pass", "fwd_r80",
+                                            "bwd_r80", "rms_short_pt16", "bwd_wide_pt16", "bwd_lean"};
+        if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
+          TORCH_WARN("APEX_NORM_TUNE: unknown knob '", key, "' ignored");
+        }
       }
       pos = end + 1;
     }
@@ -1393,7 +1416,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
   int per_thread = xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt;
-  if (xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide_pt16 > 0) per_thread = tune().bwd_wide_pt16;
+  if (xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide_pt16 > 0) {
+    // See Tune's bwd_wide_pt16: LayerNorm only where its ring at that shape (2 stages, bias sums
+    // in shared memory) fits the device.
+    const Config w = pick(H, aligned, 4, tune().bwd_wide_pt16, 32);
+    const bool fits = RMS || !bias.has_value() || w.nv == 0 ||
+                      bwd_ring_smem(2, w.nv, 1, w.tx * w.ty, ring_bias_in_smem(w.nv, false)) <=
+                          max_dyn_smem(xy.get_device());
+    if (fits) per_thread = tune().bwd_wide_pt16;
+  }
   const Config c = pick(H, aligned, 4, per_thread, 32);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
