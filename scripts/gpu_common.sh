@@ -1,5 +1,5 @@
 # Sourced by the per-package GPU scripts (gpu_norm.sh, gpu_syncbn.sh): the repository root as the
-# working folder, $OUT and the kernel cache folder, and cuda_tests.
+# working folder, $OUT and the kernel cache folder, cuda_tests, compile_only and use_sources.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -7,20 +7,24 @@ export OUT=${OUT:-$ROOT/gpu-out} APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cach
 mkdir -p "$OUT"
 
 # cuda_tests "DIR=SECONDS": gpu_run.sh compiles every extension (CACHE_IN: an earlier run's
-# kernels), then runs DIR's `cuda` tests with 6 workers; prints the compile and test lines and
-# leaves PYTHONPATH on the sources for what follows.
+# kernels), then runs DIR's `cuda` tests with 6 workers; prints the compile and test lines,
+# then use_sources.
 cuda_tests() {
   TESTS="$1" TEST_JOBS=6 TEST_PARALLEL=1 PYTEST_ARGS="-m cuda" SKIP_BENCH=1 \
     bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
   grep -E "compiled|cache in|rc=|passed|failed" "$OUT/summary.txt" | tail -8
-  PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
-  export PYTHONPATH
+  use_sources
 }
 
-# compile_only: gpu_run.sh's compile stage alone (no tests, no benchmarks); PYTHONPATH as cuda_tests.
+# compile_only: gpu_run.sh's compile stage alone (no tests, no benchmarks), then use_sources.
 compile_only() {
   SKIP_TESTS=1 SKIP_BENCH=1 bash scripts/gpu_run.sh > "$OUT/run.log" 2>&1
   grep -E "compiled|cache in|compile wall|FAILED" "$OUT/summary.txt" | tail -8
+  use_sources
+}
+
+# PYTHONPATH on every package's sources, for what follows.
+use_sources() {
   PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
   export PYTHONPATH
 }

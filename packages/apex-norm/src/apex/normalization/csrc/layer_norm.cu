@@ -196,36 +196,39 @@ struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
   int parity;
 
-  __device__ __forceinline__ float2 operator()(float a, float b) {
+  __device__ __forceinline__ float2 operator()(float a, float b) { return sum<2>(make_float2(a, b)); }
+
+  // One value (RMSNorm's single sum): half the shuffles and slot reads.
+  __device__ __forceinline__ float one(float a) { return sum<1>(make_float2(a, 0.f)).x; }
+
+ private:
+  // The first K (1 or 2) fields of v summed over the group.
+  template <int K>
+  __device__ __forceinline__ float2 sum(float2 v) {
     // One uniform test per call: the backward's groups (a warp or more) keep the unconditional
     // warp sums on their per-row critical path; only the forward's narrow groups pay lane_sum's.
-    if (blockDim.x < 32) return make_float2(lane_sum(a, blockDim.x), lane_sum(b, blockDim.x));
-    a = warp_sum(a);
-    b = warp_sum(b);
-    if (blockDim.x == 32) return make_float2(a, b);
+    if (blockDim.x < 32) {
+      v.x = lane_sum(v.x, blockDim.x);
+      if constexpr (K == 2) v.y = lane_sum(v.y, blockDim.x);
+      return v;
+    }
+    v.x = warp_sum(v.x);
+    if constexpr (K == 2) v.y = warp_sum(v.y);
+    if (blockDim.x == 32) return v;
     float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
     parity ^= 1;
-    if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = make_float2(a, b);
+    if ((threadIdx.x & 31) == 0) {
+      s[threadIdx.x >> 5].x = v.x;
+      if constexpr (K == 2) s[threadIdx.x >> 5].y = v.y;
+    }
     __syncthreads();
-    float2 t = s[0];
+    float2 t = v;
+    t.x = s[0].x;
+    if constexpr (K == 2) t.y = s[0].y;
     for (int w = 1; w < int(blockDim.x >> 5); ++w) {
       t.x += s[w].x;
-      t.y += s[w].y;
+      if constexpr (K == 2) t.y += s[w].y;
     }
-    return t;
-  }
-
-  // The same for one value (RMSNorm's single sum): half the shuffles and slot reads.
-  __device__ __forceinline__ float one(float a) {
-    if (blockDim.x < 32) return lane_sum(a, blockDim.x);
-    a = warp_sum(a);
-    if (blockDim.x == 32) return a;
-    float2* s = slots + (parity * kMaxTY + threadIdx.y) * kMaxWarps;
-    parity ^= 1;
-    if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5].x = a;
-    __syncthreads();
-    float t = s[0].x;
-    for (int w = 1; w < int(blockDim.x >> 5); ++w) t += s[w].x;
     return t;
   }
 };
@@ -1154,12 +1157,22 @@ struct Tune {
   int bwd_lean = 1;
 };
 
-int key_min(const std::string& key) {
-  const bool zero_ok = key.find("waves") != std::string::npos || key == "bwd_ring" || key == "smem_kb" ||
-                       key == "ln_one_pass" || key == "fwd_r80" || key == "bwd_r80" ||
-                       key == "rms_short_pt16" || key == "bwd_wide_pt16" || key == "bwd_lean";
-  return zero_ok ? 0 : 1;
-}
+// APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
+struct Knob {
+  const char* name;
+  int Tune::*field;
+  int least, most;
+};
+constexpr int kAny = std::numeric_limits<int>::max();
+constexpr Knob kKnobs[] = {
+    {"fwd_pt", &Tune::fwd_pt, 1, kAny},           {"bwd_pt", &Tune::bwd_pt, 1, kAny},
+    {"fwd_waves", &Tune::fwd_waves, 0, kAny},     {"bwd_waves", &Tune::bwd_waves, 0, kAny},
+    {"fwd_pt16", &Tune::fwd_pt16, 1, kAny},       {"bwd_pt16", &Tune::bwd_pt16, 1, kAny},
+    {"bwd_ring", &Tune::bwd_ring, 0, 4},          {"smem_kb", &Tune::smem_kb, 0, kAny},
+    {"ln_one_pass", &Tune::ln_one_pass, 0, kAny}, {"fwd_r80", &Tune::fwd_r80, 0, kAny},
+    {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
+    {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
+};
 
 const Tune& tune() {
   static const Tune t = [] {
@@ -1175,26 +1188,12 @@ const Tune& tune() {
       const size_t eq = item.find('=');
       if (eq != std::string::npos) {
         const std::string key = item.substr(0, eq);
-        const int val = std::max(key_min(item.substr(0, eq)), std::atoi(item.c_str() + eq + 1));
-        if (key == "fwd_pt") v.fwd_pt = val;
-        if (key == "bwd_pt") v.bwd_pt = val;
-        if (key == "fwd_waves") v.fwd_waves = val;
-        if (key == "bwd_waves") v.bwd_waves = val;
-        if (key == "fwd_pt16") v.fwd_pt16 = val;
-        if (key == "bwd_pt16") v.bwd_pt16 = val;
-        if (key == "bwd_ring") v.bwd_ring = std::min(val, 4);
-        if (key == "smem_kb") v.smem_kb = val;
-        if (key == "ln_one_pass") v.ln_one_pass = val;
-        if (key == "fwd_r80") v.fwd_r80 = val;
-        if (key == "bwd_r80") v.bwd_r80 = val;
-        if (key == "rms_short_pt16") v.rms_short_pt16 = val;
-        if (key == "bwd_wide_pt16") v.bwd_wide_pt16 = val;
-        if (key == "bwd_lean") v.bwd_lean = val;
-        static const char* const kKeys[] = {"fwd_pt", "bwd_pt", "fwd_waves", "bwd_waves", "fwd_pt16",
-                                            "bwd_pt16", "bwd_ring", "smem_kb", "ln_one_pass", "fwd_r80",
-                                            "bwd_r80", "rms_short_pt16", "bwd_wide_pt16", "bwd_lean"};
-        if (std::find(std::begin(kKeys), std::end(kKeys), key) == std::end(kKeys)) {
+        const Knob* knob = std::find_if(std::begin(kKnobs), std::end(kKnobs),
+                                        [&](const Knob& k) { return key == k.name; });
+        if (knob == std::end(kKnobs)) {
           TORCH_WARN("APEX_NORM_TUNE: unknown knob '", key, "' ignored");
+        } else {
+          v.*(knob->field) = std::clamp(std::atoi(item.c_str() + eq + 1), knob->least, knob->most);
         }
       }
       pos = end + 1;
@@ -1271,6 +1270,14 @@ void check_param(const char* op, const char* name, const std::optional<at::Tenso
                    " elements but normalized_shape has ", H);
 }
 
+// Weight, bias (where given) and the output all in the input's dtype: the LEAN kernels may run.
+bool all_in_dtype_of(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  const auto st = x.scalar_type();
+  return (!weight || weight->scalar_type() == st) && (!bias || bias->scalar_type() == st) &&
+         out.scalar_type() == st;
+}
+
 const void* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr() : nullptr;
 }
@@ -1281,7 +1288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     const std::optional<at::Tensor>& bias_, at::IntArrayRef normalized_shape, double eps,
     std::optional<at::ScalarType> out_dtype) {
   check_input(op, "input", input_, normalized_shape);
-  const int xt = dt_of(op, "input", input_);
+  dt_of(op, "input", input_);  // refuses a dtype the kernels do not take
   const c10::cuda::CUDAGuard guard(input_.device());
   const int64_t H = c10::multiply_integers(normalized_shape);
   check_param(op, "weight", weight_, input_, H);
@@ -1322,8 +1329,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  // Weight, bias and output all in the input's dtype: fwd_fast_r80 may run (see Tune's fwd_r80).
-  const bool same = ((!weight && !bias) || wt == xt) && yt == xt;
+  // fwd_fast's LEAN variant and fwd_fast_r80 (see Tune's fwd_r80).
+  const bool same = all_in_dtype_of(input, weight, bias, out);
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
     auto fast = [&](auto nv_tag) {
@@ -1431,8 +1438,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const int device = xy.get_device();
   const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
   // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's dtype.
-  const bool lean = tune().bwd_lean > 0 && (!weight || weight->scalar_type() == xy.scalar_type()) &&
-                    (!bias || bias->scalar_type() == xy.scalar_type()) && dx.scalar_type() == xy.scalar_type();
+  const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
   at::Tensor part_w, part_b;
   int64_t groups = 0;
   dispatch_x(xy.scalar_type(), [&](auto tag) {
