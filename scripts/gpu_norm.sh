@@ -10,9 +10,20 @@
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
 #   NO_TESTS=1   compile only, no tests
+#   BASE=dir     ours from another source tree (dir holds its packages/ and scripts/, e.g. an
+#                earlier commit's: `git archive REV packages scripts | tar x -C .gl/base`, carried)
+#                against this one, alternating, in the same run (bf16, every H, both passes);
+#                its kernels compile in the background while the tests run
 # Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
+if [ -n "${BASE:-}" ]; then
+  BASE=$(cd "$BASE" && pwd)
+  # Its own kernel cache: the cache's per-kernel lock would queue the two compiles.
+  (APEX_CACHE_DIR=/tmp/apex-cache-base PYTHONPATH=$(ls -d "$BASE"/packages/*/src | paste -sd: -) timeout 400 python3 -c \
+    "import torch; from apex.normalization import FusedRMSNorm; m = FusedRMSNorm(8).cuda(); m(torch.ones(2, 8, device='cuda'))" \
+    > "$OUT/base_compile.log" 2>&1; echo "base compile rc=$?" >> "$OUT/base_compile.log") &
+fi
 if [ "${NO_TESTS:-0}" = 1 ]; then
   compile_only
 else
@@ -64,6 +75,18 @@ fi
 if [ "${HOST:-0}" = 1 ]; then
   timeout 60 python3 scripts/host_norm.py 1024 > "$OUT/host_norm.txt" 2>&1
   head -14 "$OUT/host_norm.txt"
+fi
+if [ -n "${BASE:-}" ]; then
+  wait
+  tail -1 "$OUT/base_compile.log"
+  # The label is the sweep's setting: no '=', so APEX_NORM_TUNE leaves every knob at its default.
+  for i in 1 2; do
+    SWEEP_H=1024,2048,4096,8192,16384 APEX_CACHE_DIR=/tmp/apex-cache-base timeout 120 \
+      bash "$BASE/scripts/norm_sweep.sh" base > "$OUT/ab_${i}_base.txt" 2>&1
+    SWEEP_H=1024,2048,4096,8192,16384 timeout 120 bash scripts/norm_sweep.sh new > "$OUT/ab_${i}_new.txt" 2>&1
+  done
+  grep -h " ms " "$OUT"/ab_*.txt | sort -k2,2 -k3,3 -s
+  rm -rf "$OUT/sweep"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   B="$OUT/bench"

@@ -377,6 +377,9 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
       r = rsqrtf(t.m2 * inv_h + a.eps);
     }
     if (live) {
+      // 16-bit input: x-hat = x * r - mu * r, one fma (the error of the rounded mu * r is that of
+      // mu's own float32 rounding, far below a 16-bit output's); float32 keeps (x - mu) * r.
+      const float nmr = -mu * r;
       if (threadIdx.x == 0) {
         if (!RMS) a.mean[row] = mu;
         a.rstd[row] = r;
@@ -400,7 +403,7 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
           if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            float y = (elem(cur[k], e) - mu) * r;
+            float y = sizeof(Tx) == 2 ? fmaf(elem(cur[k], e), r, nmr) : (elem(cur[k], e) - mu) * r;
             if (a.w) y *= w[e];
             if (!RMS && a.b) y += b[e];
             o[e] = y;
@@ -545,6 +548,10 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
     mgx = t.y * inv_h;
   }
   if (!live) return;
+  // grad_input = rc * (g - mg - x-hat * mgx) as g * rc + (t * c1 + c0): two fmas, t = x - mu
+  // (x-hat = t * rc) or, memory_efficient, x-hat itself.
+  const float c0 = -rc * mg;
+  const float c1 = ME ? -rc * mgx : -rc * rc * mgx;
 #pragma unroll
   for (int k = 0; k < NV; ++k) {
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
@@ -554,11 +561,12 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
       if (has_b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
-                                      has_b ? b[e] : 0.f);
+        const float t = ME ? xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+                                             has_b ? b[e] : 0.f)
+                           : (RMS ? elem(xc[k], e) : elem(xc[k], e) - muc);
         const float dy = elem(gc[k], e);
         const float g = a.w ? dy * w[e] : dy;
-        o[e] = rc * (g - mg - xv * mgx);
+        o[e] = fmaf(g, rc, fmaf(t, c1, c0));
       }
       store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
     }
