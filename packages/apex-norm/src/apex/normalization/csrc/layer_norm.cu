@@ -58,11 +58,24 @@ struct alignas(sizeof(T) * kVec) Pack {
   T v[kVec];
 };
 
+// Element e of a packed vector as float. A bfloat16 is the upper half of a float32, so each takes
+// one shift or one mask of the 32-bit word holding it (static_cast spends two on the upper one of
+// a pair: extract, then shift).
+template <typename T>
+__device__ __forceinline__ float elem(const Pack<T>& pk, int e) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(pk.v)[e >> 1];
+    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return static_cast<float>(pk.v[e]);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void load_vec(const void* p, int64_t i, float (&o)[kVec]) {
   const Pack<T> pk = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p) + i);
 #pragma unroll
-  for (int k = 0; k < kVec; ++k) o[k] = static_cast<float>(pk.v[k]);
+  for (int k = 0; k < kVec; ++k) o[k] = elem(pk, k);
 }
 
 template <typename T>
@@ -170,11 +183,6 @@ constexpr int kMaxTY = 8;  // row groups per block with shared-memory sums (grou
 template <typename T>
 __device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) {
   o = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p) + i);
-}
-
-template <typename T>
-__device__ __forceinline__ float elem(const Pack<T>& pk, int e) {
-  return static_cast<float>(pk.v[e]);
 }
 
 // An empty asm on a packed 16-bit vector's words: the compiler must assume they changed, so it
@@ -403,10 +411,13 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
           if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            float y = sizeof(Tx) == 2 ? fmaf(elem(cur[k], e), r, nmr) : (elem(cur[k], e) - mu) * r;
-            if (a.w) y *= w[e];
-            if (!RMS && a.b) y += b[e];
-            o[e] = y;
+            const float y = sizeof(Tx) == 2 ? fmaf(elem(cur[k], e), r, nmr) : (elem(cur[k], e) - mu) * r;
+            // With a bias, y * w + b in one fma (1 for w where there is none).
+            if (!RMS && a.b) {
+              o[e] = fmaf(y, a.w ? w[e] : 1.f, b[e]);
+            } else {
+              o[e] = a.w ? y * w[e] : y;
+            }
           }
           store_out_vec<Tx, LEAN>(a.y, a.yt, row * a.H + j * kVec, o);
         }
