@@ -19,7 +19,10 @@
 source "$(dirname "$0")/gpu_common.sh"
 if [ -n "${BASE:-}" ]; then
   BASE=$(cd "$BASE" && pwd)
-  # Its own kernel cache: the cache's per-kernel lock would queue the two compiles.
+  # Its own kernel cache: the cache's per-kernel lock would queue the two compiles. CACHE_IN may
+  # hold its kernels too (the base an earlier run's tree).
+  mkdir -p /tmp/apex-cache-base
+  [ -n "${CACHE_IN:-}" ] && [ -f "$CACHE_IN" ] && tar xzf "$CACHE_IN" -C /tmp/apex-cache-base
   (APEX_CACHE_DIR=/tmp/apex-cache-base PYTHONPATH=$(ls -d "$BASE"/packages/*/src | paste -sd: -) timeout 400 python3 -c \
     "import torch; from apex.normalization import FusedRMSNorm; m = FusedRMSNorm(8).cuda(); m(torch.ones(2, 8, device='cuda'))" \
     > "$OUT/base_compile.log" 2>&1; echo "base compile rc=$?" >> "$OUT/base_compile.log") &
