@@ -13,7 +13,8 @@
 #   BASE=dir     ours from another source tree (dir holds its packages/ and scripts/, e.g. an
 #                earlier commit's: `git archive REV packages scripts | tar x -C .gl/base`, carried)
 #                against this one, alternating, in the same run (bf16, every H, both passes);
-#                its kernels compile in the background while the tests run
+#                its kernels compile in the background while the tests run (AB_PASSES=fwd+bwd:
+#                that pass only)
 # Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
@@ -48,8 +49,10 @@ if [ "${BWD_SWEEP:-0}" = 1 ]; then
   # The backward's 80-register ring per norm (bwd_r80: 1 LayerNorm, 2 RMSNorm) and the 4-vector
   # rows above H = 4096 (bwd_wide_pt16=0: 2 vectors there). 16:04 and 16:15 UTC swept the same
   # questions with knobs since folded into these (bwd_min_rows, bwd_pt16; see NOTES.md).
+  # 18:1x: the ring read in both passes (fewer registers: RMSNorm's LEAN ring 58 uncapped) asks
+  # again whether the caps pay, and whether 4-vector rows do at H <= 4096 (bwd_pt16=4).
   SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 300 bash scripts/norm_sweep.sh \
-    "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_wide_pt16=0" "bwd_r80=3" > "$OUT/sweep_bwd.txt" 2>&1
+    "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_pt16=4" "bwd_r80=3" > "$OUT/sweep_bwd.txt" 2>&1
   grep " ms " "$OUT/sweep_bwd.txt"
   rm -rf "$OUT/sweep"
 fi
@@ -84,9 +87,9 @@ if [ -n "${BASE:-}" ]; then
   tail -1 "$OUT/base_compile.log"
   # The label is the sweep's setting: no '=', so APEX_NORM_TUNE leaves every knob at its default.
   for i in 1 2; do
-    SWEEP_H=1024,2048,4096,8192,16384 APEX_CACHE_DIR=/tmp/apex-cache-base timeout 120 \
+    SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 APEX_CACHE_DIR=/tmp/apex-cache-base timeout 120 \
       bash "$BASE/scripts/norm_sweep.sh" base > "$OUT/ab_${i}_base.txt" 2>&1
-    SWEEP_H=1024,2048,4096,8192,16384 timeout 120 bash scripts/norm_sweep.sh new > "$OUT/ab_${i}_new.txt" 2>&1
+    SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 timeout 120 bash scripts/norm_sweep.sh new > "$OUT/ab_${i}_new.txt" 2>&1
   done
   grep -h " ms " "$OUT"/ab_*.txt | sort -k2,2 -k3,3 -s
   rm -rf "$OUT/sweep"

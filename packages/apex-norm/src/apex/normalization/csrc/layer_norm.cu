@@ -518,14 +518,15 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
   return (v - mu) * r;
 }
 
-// One row of the packed backward kernels (bwd_fast, bwd_ring) on the vectors a thread holds: the
-// row's sums over its group (two for LayerNorm, one for RMSNorm), then grad_input written; acc(i, dy, x-hat) adds element i's
-// terms (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a
-// barrier inside); `live`: the row exists.
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Acc>
-__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const Pack<Tx> (&xc)[NV],
-                                        const Pack<Tx> (&gc)[NV], float muc, float rc,
-                                        int64_t row, bool live, Acc&& acc) {
+// One row of the packed backward kernels (bwd_fast, bwd_ring): the row's sums over its group (two
+// for LayerNorm, one for RMSNorm), then grad_input written; src(k, x, dy) gives this thread's
+// vector k of the input (or output) and of grad_output, once per pass (registers for bwd_fast,
+// the ring's shared memory for bwd_ring); acc(i, dy, x-hat) adds element i's terms
+// (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a barrier
+// inside); `live`: the row exists.
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Src, typename Acc>
+__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, Src&& src, float muc,
+                                        float rc, int64_t row, bool live, Acc&& acc) {
   const int64_t nvec = a.H / kVec;
   const float inv_h = 1.f / static_cast<float>(a.H);
   const bool has_b = !RMS && ME && a.b;
@@ -534,14 +535,16 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
   for (int k = 0; k < NV; ++k) {
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
     if (live && j < nvec) {
+      Pack<Tx> xk, gk;
+      src(k, xk, gk);
       float w[kVec], b[kVec];
       if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
       if (has_b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float xv = xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+        const float xv = xhat_t<RMS, ME>(a, elem(xk, e), muc, rc, a.w ? w[e] : 1.f,
                                       has_b ? b[e] : 0.f);
-        const float dy = elem(gc[k], e);
+        const float dy = elem(gk, e);
         const float g = a.w ? dy * w[e] : dy;
         if (!RMS) sg += g;
         sgx = fmaf(g, xv, sgx);
@@ -567,15 +570,17 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, const 
   for (int k = 0; k < NV; ++k) {
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
     if (j < nvec) {
+      Pack<Tx> xk, gk;
+      src(k, xk, gk);
       float w[kVec], b[kVec], o[kVec];
       if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
       if (has_b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float t = ME ? xhat_t<RMS, ME>(a, elem(xc[k], e), muc, rc, a.w ? w[e] : 1.f,
+        const float t = ME ? xhat_t<RMS, ME>(a, elem(xk, e), muc, rc, a.w ? w[e] : 1.f,
                                              has_b ? b[e] : 0.f)
-                           : (RMS ? elem(xc[k], e) : elem(xc[k], e) - muc);
-        const float dy = elem(gc[k], e);
+                           : (RMS ? elem(xk, e) : elem(xk, e) - muc);
+        const float dy = elem(gk, e);
         const float g = a.w ? dy * w[e] : dy;
         o[e] = fmaf(g, rc, fmaf(t, c1, c0));
       }
@@ -672,7 +677,11 @@ __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
         }
       }
     }
-    bwd_row<Tx, NV, RMS, ME, false>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+    auto regs = [&](int k, Pack<Tx>& x, Pack<Tx>& g) {
+      x = xc[k];
+      g = gc[k];
+    };
+    bwd_row<Tx, NV, RMS, ME, false>(a, gsum, regs, muc, rc, row, live, [&](int i, float dy, float xv) {
       if (sums) {
         float* pw = acc_w + i * nthreads;
         *pw = fmaf(dy, xv, *pw);
@@ -838,18 +847,21 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     issue(row + (S - 1) * G, int((it + S - 1) % S));
     cp_async_wait(S - 1);  // this row's group has landed
     const int s = int(it % S);
-    Pack<Tx> xc[NV], gc[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
+    // The row's vectors are read from the ring in each of bwd_row's two passes rather than held
+    // in registers across its group sum (this thread's own slots: no barrier needed). The stage
+    // is rewritten by this thread's copies of a later iteration only, after both passes.
+    const uint4* xs = ring + size_t(s) * 2 * NV * C * nthreads + tid;
+    const uint4* gs = xs + size_t(NV) * C * nthreads;
+    auto from_ring = [&](int k, Pack<Tx>& x, Pack<Tx>& g) {
 #pragma unroll
       for (int c = 0; c < C; ++c) {
-        reinterpret_cast<uint4*>(&xc[k])[c] = ring[((size_t(s) * 2 + 0) * NV * C + k * C + c) * nthreads + tid];
-        reinterpret_cast<uint4*>(&gc[k])[c] = ring[((size_t(s) * 2 + 1) * NV * C + k * C + c) * nthreads + tid];
+        reinterpret_cast<uint4*>(&x)[c] = xs[(k * C + c) * nthreads];
+        reinterpret_cast<uint4*>(&g)[c] = gs[(k * C + c) * nthreads];
       }
-    }
+    };
     const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
-    bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, xc, gc, muc, rc, row, live, [&](int i, float dy, float xv) {
+    bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
       if constexpr (kBS) {
         if (sum_b) acc_bs[i * nthreads] += dy;
