@@ -4,7 +4,7 @@
 # APEX_NORM_TUNE setting):
 #   FWD_SWEEP=1  the forward's register caps and vectors per thread, float32's vectors per thread
 #   BWD_SWEEP=1  the backward's register caps and row widths
-#   BWD_LEAN=1   the ring backward's LEAN variant against the general one (H = 4096-16384)
+#   BWD_LEAN=1   the ring backward's LEAN variant against the general one
 #   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
@@ -69,10 +69,9 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
   # The ring backward's LEAN variant (weight, bias and grad_input in the input's dtype) against
   # the general one (both with RMSNorm's one-value group sums). At 16:25 UTC this ran as
   # `SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096 norm_sweep.sh bwd_lean=1 bwd_lean=0`, one run each.
-  # 18:1x: LEAN at 4 vectors a thread too (rows of H > 4096: LayerNorm's bias sums in registers,
-  # RMSNorm's rows of 256 threads at 80 registers); bwd_lean=0 there is the general ring as
-  # before; H = 4096 (2 vectors) for reference.
-  SWEEP_PASSES=fwd+bwd SWEEP_H=4096,8192,16384 timeout 200 bash scripts/norm_sweep.sh "bwd_lean=1" \
+  # At 18:1x it ran at H = 4096-16384 on daf03a5, whose LEAN ring also took the 4-vector rows
+  # (H > 4096); slower there but for RMSNorm's rows of 512 threads, so reverted (NOTES.md).
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 timeout 150 bash scripts/norm_sweep.sh "bwd_lean=1" \
     "bwd_lean=0" "bwd_lean=1" "bwd_lean=0" > "$OUT/sweep_lean.txt" 2>&1
   grep " ms " "$OUT/sweep_lean.txt"
   rm -rf "$OUT/sweep"

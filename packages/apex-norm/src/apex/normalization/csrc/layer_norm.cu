@@ -732,10 +732,9 @@ size_t bwd_fast_smem(int nv, int threads, bool want_w, bool want_b) {
 // the registers. The weight/bias sums live in registers (at most 32 floats a thread: RMSNorm up
 // to 4 vectors a thread, LayerNorm up to 2); in shared memory, as bwd_fast keeps them, they
 // measured slower (LayerNorm bf16 H=4096 fwd+bwd 51.3 % of copy against 63.2 %). LayerNorm at 4
-// vectors a thread (16-bit rows past 8192) keeps the weight sums in registers and, in the general
-// ring, the bias sums in shared memory (ring_bias_in_smem; the LEAN ring, without the run-time
-// dtype branches, has the registers for both): bwd_fast, with both there and one row in flight,
-// moved 36.7 % of copy at H=16384.
+// vectors a thread (16-bit rows past 8192) keeps the weight sums in registers and the bias sums
+// in shared memory (ring_bias_in_smem): bwd_fast, with both there and one row in flight, moved
+// 36.7 % of copy at H=16384.
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -785,15 +784,13 @@ __host__ __device__ constexpr int chunks_of() {
 __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv * kVec <= 32; }
 
 // Whether bwd_ring keeps LayerNorm's bias sums in shared memory: weight and bias sums together
-// would be more than 32 floats a thread, and the ring is not LEAN (which fits 64).
-__host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms, bool lean = false) {
-  return !rms && !lean && nv * kVec * 2 > 32;
-}
+// would be more than 32 floats a thread.
+__host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
 template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
-  constexpr bool kBS = ring_bias_in_smem(NV, RMS, LEAN);
+  constexpr bool kBS = ring_bias_in_smem(NV, RMS);
   const int S = a.stages;  // 2 to 4
   constexpr int C = chunks_of<Tx>();
   __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
@@ -1185,9 +1182,9 @@ struct Tune {
   // ring (bias sums in shared memory) fits the device: on GPUs of ~100 KB a block (sm_86, sm_89,
   // sm_120) its H=8192 row would lose the ring to bwd_fast, so it keeps 2 vectors there.
   int bwd_wide_pt16 = 4;
-  // 1: the ring backward (not memory_efficient) with weight, bias and grad_input in the input's
-  // dtype through its LEAN variant (no run-time dtype branches per vector; at 4 vectors a thread
-  // LayerNorm's bias sums in registers, not shared memory); 0: the general one.
+  // 1: the ring backward at 1-2 vectors a thread (not memory_efficient) with weight, bias and
+  // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
+  // vector); 0: the general one.
   int bwd_lean = 1;
 };
 
@@ -1456,16 +1453,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             nullptr, nullptr, rows, H, static_cast<float>(eps), dyt, wt, dxt, memory_efficient};
   const bool aligned = vec_aligned(xy) && vec_aligned(dy) && vec_aligned(dx) &&
                        (!weight || vec_aligned(*weight)) && (!bias || vec_aligned(*bias));
-  // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's
-  // dtype, not memory_efficient (whose ring is the general one).
-  const bool lean = tune().bwd_lean > 0 && !memory_efficient && all_in_dtype_of(xy, weight, bias, dx);
   int per_thread = xy.element_size() == 2 ? tune().bwd_pt16 : tune().bwd_pt;
   if (xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide_pt16 > 0) {
     // See Tune's bwd_wide_pt16: LayerNorm only where its ring at that shape (2 stages, bias sums
     // in shared memory) fits the device.
     const Config w = pick(H, aligned, 4, tune().bwd_wide_pt16, 32);
     const bool fits = RMS || !bias.has_value() || w.nv == 0 ||
-                      bwd_ring_smem(2, w.nv, 1, w.tx * w.ty, ring_bias_in_smem(w.nv, false, lean)) <=
+                      bwd_ring_smem(2, w.nv, 1, w.tx * w.ty, ring_bias_in_smem(w.nv, false)) <=
                           max_dyn_smem(xy.get_device());
     if (fits) per_thread = tune().bwd_wide_pt16;
   }
@@ -1474,6 +1468,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const dim3 block(c.tx, c.ty);
   const int device = xy.get_device();
   const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
+  // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's dtype.
+  const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
   at::Tensor part_w, part_b;
   int64_t groups = 0;
   dispatch_x(xy.scalar_type(), [&](auto tag) {
@@ -1487,7 +1483,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       const int chunks = int(sizeof(Pack<Tx>) / 16);
       int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;
       auto ring_smem = [&](int S) {
-        return bwd_ring_smem(S, c.nv, chunks, threads, want_b && ring_bias_in_smem(c.nv, RMS, lean));
+        return bwd_ring_smem(S, c.nv, chunks, threads, want_b && ring_bias_in_smem(c.nv, RMS));
       };
       while (stages > 2 && ring_smem(stages) > kRingSmemCap) --stages;
       if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
@@ -1536,20 +1532,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
             auto plain = [&](auto lean_tag) {
               constexpr bool L = decltype(lean_tag)::value;
-              // The cap where it holds without spill (ptxas, nvcc 13.0 sm_90, bf16): rows of 2
-              // vectors, and RMSNorm's LEAN rows of 4 (80 registers, 86 uncapped: three blocks of
-              // 256 threads per SM, not two). LayerNorm's LEAN 4-vector ring spills 232 bytes at
-              // 80; with memory_efficient, 300+.
-              if constexpr (NV == 2 || (NV == 4 && L && RMS)) {
+              if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
                 if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) return launch(bwd_ring_r80<Tx, NV, RMS, false, L>, true);
               }
               launch(bwd_ring<Tx, NV, RMS, false, L>, true);
             };
-            // LEAN at 4 vectors a thread too since the ring is read in both passes (not held in
-            // registers): ptxas, bf16, LayerNorm 127 registers with its bias sums in registers
-            // (the general ring: 120 with them in shared memory, a load and a store per element
-            // and row), RMSNorm 86 (general: 101).
-            if (lean) return plain(std::true_type{});
+            // At 4 vectors a thread LEAN took more registers (ptxas, bf16: LayerNorm 128 with a
+            // 24-byte spill against 125, RMSNorm 122 against 115), so only rows of 1-2 vectors.
+            if constexpr (NV <= 2) {
+              if (lean) return plain(std::true_type{});
+            }
             return plain(std::false_type{});
           }
         }
