@@ -5,7 +5,8 @@
 #   FWD_SWEEP=1  the forward's register caps and vectors per thread, float32's vectors per thread
 #   BWD_SWEEP=1  the backward's register caps and row widths
 #   BWD_LEAN=1   the ring backward's LEAN variant against the general one
-#   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096
+#   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096 (NCU_H: another
+#                H; NCU_K: the kernel-name regex, default "fwd_fast|bwd_ring")
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
@@ -57,11 +58,11 @@ if [ "${BWD_SWEEP:-0}" = 1 ]; then
   rm -rf "$OUT/sweep"
 fi
 if [ "${NCU:-0}" = 1 ]; then
-  # Nsight Compute on the 16-bit forward and ring backward kernels of both norms at H = 4096
+  # Nsight Compute on the 16-bit forward and ring backward kernels of both norms at H = 4096 (NCU_H)
   # (one launch each; hardware counters where the machine's runtime lets ncu read them).
-  timeout 240 ncu --clock-control none -k regex:"fwd_fast|bwd_ring" --section SpeedOfLight \
+  timeout 240 ncu --clock-control none -k regex:"${NCU_K:-fwd_fast|bwd_ring}" --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-    --section SchedulerStats python3 scripts/ncu_norm_driver.py 4096 > "$OUT/ncu.txt" 2>&1
+    --section SchedulerStats python3 scripts/ncu_norm_driver.py "${NCU_H:-4096}" > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?"
   grep -E "fwd_fast|bwd_ring|Throughput|Duration|Stall|Achieved Occupancy|Registers|Eligible|Issued Warp|One or More|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit" "$OUT/ncu.txt" | cut -c1-150
 fi
