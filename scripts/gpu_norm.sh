@@ -20,7 +20,7 @@
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
 if [ -n "${BASE:-}" ]; then
-  BASE=$(cd "$BASE" && pwd)
+  BASE=$(cd "$BASE" && pwd) || { echo "BASE: no such folder"; exit 1; }
   # Its own kernel cache: the cache's per-kernel lock would queue the two compiles. CACHE_IN may
   # hold its kernels too (the base an earlier run's tree).
   mkdir -p /tmp/apex-cache-base
@@ -47,11 +47,10 @@ if [ "${FWD_SWEEP:-0}" = 1 ]; then
   rm -rf "$OUT/sweep"
 fi
 if [ "${BWD_SWEEP:-0}" = 1 ]; then
-  # The backward's 80-register ring per norm (bwd_r80: 1 LayerNorm, 2 RMSNorm) and the 4-vector
-  # rows above H = 4096 (bwd_wide_pt16=0: 2 vectors there). 16:04 and 16:15 UTC swept the same
-  # questions with knobs since folded into these (bwd_min_rows, bwd_pt16; see NOTES.md).
-  # 18:1x: the ring read in both passes (fewer registers: RMSNorm's LEAN ring 58 uncapped) asks
-  # again whether the caps pay, and whether 4-vector rows do at H <= 4096 (bwd_pt16=4).
+  # The backward's 80-register ring per norm (bwd_r80: 1 LayerNorm, 2 RMSNorm) and 4-vector rows
+  # at H <= 4096 (bwd_pt16=4; above 4096 rows are at 4 already, bwd_wide_pt16). Asked again at
+  # 18:0x because the ring read in both passes (c132a76) has fewer registers (RMSNorm's LEAN
+  # ring 58 uncapped); 16:04 and 16:15 asked with knobs since folded away (bwd_min_rows; NOTES).
   SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 300 bash scripts/norm_sweep.sh \
     "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_pt16=4" "bwd_r80=3" > "$OUT/sweep_bwd.txt" 2>&1
   grep " ms " "$OUT/sweep_bwd.txt"
@@ -94,7 +93,7 @@ if [ -n "${BASE:-}" ]; then
       bash "$BASE/scripts/norm_sweep.sh" base > "$OUT/ab_${i}_base.txt" 2>&1
     SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 timeout 120 bash scripts/norm_sweep.sh new > "$OUT/ab_${i}_new.txt" 2>&1
   done
-  grep -h " ms " "$OUT"/ab_*.txt | sort -k2,2 -k3,3 -s
+  grep -h " ms " "$OUT"/ab_*.txt | sort -b -k2,2 -k3,3 -s
   rm -rf "$OUT/sweep"
 fi
 if [ "${BENCH:-0}" = 1 ]; then

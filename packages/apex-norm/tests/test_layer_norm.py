@@ -452,6 +452,31 @@ def test_cuda_large_mean_small_variance():
     torch.testing.assert_close(y.double(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H", [1024, 4096, 8192])
+def test_16bit_constant_and_large_mean_rows(device, dtype, H):
+    """Constant 16-bit rows (means up to fp16's 60000) normalise to exactly zero, so y is the
+    bias itself: a forward of x * r - mu * r would leave mu * r's rounding (r = 1/sqrt(eps) ~ 316:
+    about 1 at 60000). Rows of large mean and a 1 % spread match torch, forward and grad_input."""
+    means = torch.tensor([0.0, 1.0, -7.0, 1000.0, 3000.0, -30000.0, 60000.0])
+    x = means[:, None].expand(len(means), H).to(device=device, dtype=dtype).contiguous()
+    w = param((H,), dtype, device)
+    b = param((H,), dtype, device)
+    y = fused_layer_norm_affine(x, w, b, (H,), 1e-5)
+    assert torch.equal(y, b.detach().expand_as(y)), (y - b).abs().amax(dim=1)
+    x = (means[3:, None] * (1 + 0.01 * torch.randn(len(means) - 3, H))).to(device=device, dtype=dtype)
+    x.requires_grad_(True)
+    y = fused_layer_norm_affine(x, w, b, (H,), 1e-5)
+    xc, wc, bc = (t.detach().cpu().double().requires_grad_(True) for t in (x, w, b))
+    expected = torch_layer_norm(xc, (H,), wc, bc, 1e-5)
+    torch.testing.assert_close(y.double().cpu(), expected, **tol(dtype))
+    dy = torch.randn_like(y)
+    (got,) = torch.autograd.grad(y, [x], dy)
+    (want,) = torch.autograd.grad(expected, [xc], dy.double().cpu())
+    torch.testing.assert_close(got.double().cpu(), want, **tol(dtype, torch.float16))
+
+
 @pytest.mark.cuda
 def test_cuda_unaligned_and_non_contiguous():
     base = make((33, 4097), torch.bfloat16, "cuda")

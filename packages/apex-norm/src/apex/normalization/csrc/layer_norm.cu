@@ -385,9 +385,6 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
       r = rsqrtf(t.m2 * inv_h + a.eps);
     }
     if (live) {
-      // 16-bit input: x-hat = x * r - mu * r, one fma (the error of the rounded mu * r is that of
-      // mu's own float32 rounding, far below a 16-bit output's); float32 keeps (x - mu) * r.
-      const float nmr = -mu * r;
       if (threadIdx.x == 0) {
         if (!RMS) a.mean[row] = mu;
         a.rstd[row] = r;
@@ -411,7 +408,10 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
           if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const float y = sizeof(Tx) == 2 ? fmaf(elem(cur[k], e), r, nmr) : (elem(cur[k], e) - mu) * r;
+            // (x - mu) * r, not the one fma x * r - mu * r: that one leaves the rounding of
+            // mu * r where x == mu (a constant fp16 row of 60000 at eps 1e-5: 0.99 for 0,
+            // float32 emulated).
+            const float y = (elem(cur[k], e) - mu) * r;
             // With a bias, y * w + b in one fma (1 for w where there is none).
             if (!RMS && a.b) {
               o[e] = fmaf(y, a.w ? w[e] : 1.f, b[e]);
@@ -563,7 +563,8 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, Src&& 
   }
   if (!live) return;
   // grad_input = rc * (g - mg - x-hat * mgx) as g * rc + (t * c1 + c0): two fmas, t = x - mu
-  // (x-hat = t * rc) or, memory_efficient, x-hat itself.
+  // (x-hat = t * rc) or, memory_efficient, x-hat itself. (rc * rc flushes to zero below rc ~
+  // 1e-19, a row's spread above ~1e19, where float32's variance overflows anyway.)
   const float c0 = -rc * mg;
   const float c1 = ME ? -rc * mgx : -rc * rc * mgx;
 #pragma unroll
@@ -1156,10 +1157,12 @@ struct Tune {
   int fwd_r80 = 3;
   // The 16-bit backward's ring at 2 vectors a thread and rows of up to 256 threads (not
   // memory_efficient) through bwd_ring_r80 (__maxnreg__(80)): 1 LayerNorm, 2 RMSNorm, 3 both, 0
-  // neither. ptxas (nvcc 13.0, sm_90, bf16, general / LEAN variant): LayerNorm 96 / 98 registers
-  // in bwd_ring, 80 in bwd_ring_r80 (8 bytes of spill stores / none); RMSNorm 64 / 63 in
-  // bwd_ring but 78 / 80 in bwd_ring_r80: for RMSNorm the cap adds registers, three blocks of
-  // 256 threads per SM instead of four, and measured faster. Measured on an H200,
+  // neither. ptxas (nvcc 13.0, sm_90, bf16, general / LEAN variant, since the ring is read in
+  // both passes, c132a76): LayerNorm 97 / 86 registers in bwd_ring, 80 / 76 in bwd_ring_r80;
+  // RMSNorm 62 / 58 in bwd_ring but 72 / 72 in bwd_ring_r80: for RMSNorm the cap adds registers,
+  // three blocks of 256 threads per SM instead of four, and measured faster (again at 18:0x:
+  // H=4096 0.3562-0.3571 ms against 0.3650-0.3652 uncapped). Before c132a76 (the runs below):
+  // LayerNorm 96 / 98 and 80, RMSNorm 64 / 63 and 78 / 80. Measured on an H200,
   // scripts/norm_sweep.sh, bf16 fwd+bwd: LayerNorm (12-04 14:2x, % of copy, through it in two
   // runs / not) H=2048 68.7, 68.9 / 66.7; H=4096 69.5, 70.1 / 66.5; H=1024 (64 threads) 60.0,
   // 60.6 / 60.9 (16:0x, ms: 0.1303, 0.1318 / 0.1295-0.1309: no gain there, taken for one rule);
@@ -1537,8 +1540,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
               }
               launch(bwd_ring<Tx, NV, RMS, false, L>, true);
             };
-            // At 4 vectors a thread LEAN took more registers (ptxas, bf16: LayerNorm 128 with a
-            // 24-byte spill against 125, RMSNorm 122 against 115), so only rows of 1-2 vectors.
+            // Only rows of 1-2 vectors: at 4 (H > 4096) LEAN measured slower (H200 18:1x,
+            // fwd+bwd ms, LEAN / general: RMSNorm H=8192 at 80 registers 0.853 / 0.714-0.719,
+            // LayerNorm H=8192 0.926 / 0.865-0.869, H=16384 1.923 / 1.840-1.844; faster only
+            // for RMSNorm's rows of 512 threads, H=16384: 1.390-1.395 / 1.416-1.451).
             if constexpr (NV <= 2) {
               if (lean) return plain(std::true_type{});
             }
