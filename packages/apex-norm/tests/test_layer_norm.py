@@ -385,7 +385,7 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
         "fwd_r80=0,bwd_r80=0",  # the 16-bit kernels without their 80-register caps
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0",  # the general ring, 2-vector rows at H=8192
-        "bwd_ring=4",  # a ring of 4 stages where it fits (rows up to H=4096), 2 above
+        "bwd_ring=4",  # a ring of 4 stages where it fits (rows up to H=4096), fewer above
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
