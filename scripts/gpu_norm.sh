@@ -19,6 +19,15 @@
 # Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
+# sweep FILE SECONDS SETTING...: norm_sweep.sh's table into $OUT/FILE (SWEEP_* from the caller's
+# environment), its ms rows printed, its per-setting folders removed.
+sweep() {
+  local file=$1 seconds=$2
+  shift 2
+  timeout "$seconds" bash scripts/norm_sweep.sh "$@" > "$OUT/$file" 2>&1
+  grep " ms " "$OUT/$file"
+  rm -rf "$OUT/sweep"
+}
 if [ -n "${BASE:-}" ]; then
   BASE=$(cd "$BASE" && pwd) || { echo "BASE: no such folder"; exit 1; }
   # Its own kernel cache: the cache's per-kernel lock would queue the two compiles. CACHE_IN may
@@ -38,23 +47,17 @@ if [ "${FWD_SWEEP:-0}" = 1 ]; then
   # The forward's shapes (2026-12-04): both norms through fwd_fast_r80 (fwd_r80=3) or RMSNorm
   # through fwd_fast's LEAN variant (1), LayerNorm bf16 at 2 and 4 vectors a thread without the
   # 80-register cap; float32 at 4 vectors a thread (the old default) against 2.
-  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 timeout 240 bash scripts/norm_sweep.sh \
-    "fwd_r80=3" "fwd_r80=1" "fwd_pt16=4,fwd_r80=0" "fwd_pt16=2,fwd_r80=0" "fwd_r80=3,rms_short_pt16=0" \
-    "fwd_r80=3" > "$OUT/sweep_fwd.txt" 2>&1
-  SWEEP_DT=fp32 SWEEP_H=1024,4096,16384 timeout 100 bash scripts/norm_sweep.sh "fwd_pt=4" "fwd_pt=2" \
-    > "$OUT/sweep_fwd32.txt" 2>&1
-  cat "$OUT/sweep_fwd.txt" "$OUT/sweep_fwd32.txt" | grep " ms "
-  rm -rf "$OUT/sweep"
+  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_fwd.txt 240 "fwd_r80=3" "fwd_r80=1" \
+    "fwd_pt16=4,fwd_r80=0" "fwd_pt16=2,fwd_r80=0" "fwd_r80=3,rms_short_pt16=0" "fwd_r80=3"
+  SWEEP_DT=fp32 SWEEP_H=1024,4096,16384 sweep sweep_fwd32.txt 100 "fwd_pt=4" "fwd_pt=2"
 fi
 if [ "${BWD_SWEEP:-0}" = 1 ]; then
   # The backward's 80-register ring per norm (bwd_r80: 1 LayerNorm, 2 RMSNorm) and 4-vector rows
   # at H <= 4096 (bwd_pt16=4; above 4096 rows are at 4 already, bwd_wide_pt16). Asked again at
   # 18:0x because the ring read in both passes (c132a76) has fewer registers (RMSNorm's LEAN
   # ring 58 uncapped); 16:04 and 16:15 asked with knobs since folded away (bwd_min_rows; NOTES).
-  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 timeout 300 bash scripts/norm_sweep.sh \
-    "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_pt16=4" "bwd_r80=3" > "$OUT/sweep_bwd.txt" 2>&1
-  grep " ms " "$OUT/sweep_bwd.txt"
-  rm -rf "$OUT/sweep"
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192 sweep sweep_bwd.txt 300 \
+    "bwd_r80=3" "bwd_r80=1" "bwd_r80=0" "bwd_pt16=4" "bwd_r80=3"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   # Nsight Compute on the 16-bit forward and ring backward kernels of both norms at H = 4096 (NCU_H)
@@ -71,10 +74,8 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
   # `SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096 norm_sweep.sh bwd_lean=1 bwd_lean=0`, one run each.
   # At 18:1x it ran at H = 4096-16384 on daf03a5, whose LEAN ring also took the 4-vector rows
   # (H > 4096); slower there but for RMSNorm's rows of 512 threads, so reverted (NOTES.md).
-  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 timeout 150 bash scripts/norm_sweep.sh "bwd_lean=1" \
-    "bwd_lean=0" "bwd_lean=1" "bwd_lean=0" > "$OUT/sweep_lean.txt" 2>&1
-  grep " ms " "$OUT/sweep_lean.txt"
-  rm -rf "$OUT/sweep"
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 sweep sweep_lean.txt 150 \
+    "bwd_lean=1" "bwd_lean=0" "bwd_lean=1" "bwd_lean=0"
 fi
 if [ "${SHAPES:-0}" = 1 ]; then
   timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1

@@ -1538,7 +1538,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
             auto plain = [&](auto lean_tag) {
               constexpr bool L = decltype(lean_tag)::value;
-              if constexpr (NV == 2) {  // at 4 vectors, and with memory_efficient, 80 registers spill 300+ bytes
+              // Rows of 2 vectors only: at 4, 80 registers spilled (LayerNorm's LEAN ring 232
+              // bytes, 18:1x build; memory_efficient, which takes bwd_ring above, 300+).
+              if constexpr (NV == 2) {
                 if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) return launch(bwd_ring_r80<Tx, NV, RMS, false, L>, true);
               }
               launch(bwd_ring<Tx, NV, RMS, false, L>, true);
