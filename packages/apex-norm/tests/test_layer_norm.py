@@ -390,8 +390,9 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
-    fresh one), the ring or the one-pass forward off, or the 16-bit kernels without their
-    register caps, each case takes another kernel and is still right."""
+    fresh one), the ring or the one-pass forward off, the 16-bit kernels without their register
+    caps or their LEAN ring, or a deeper ring, each case takes another kernel and is still
+    right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in KNOB_CASES]
     script.write_text(
