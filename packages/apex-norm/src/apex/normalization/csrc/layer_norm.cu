@@ -173,6 +173,7 @@ struct FwdArgs {
   float eps;
   int wt, yt;
   bool one_pass;  // fwd_fast's LayerNorm moments from shifted sums (see fwd_fast)
+  int stages;     // fwd_ring: rows in the shared-memory ring (2 to 4)
 };
 
 // -- the fast path's pieces -------------------------------------------------------------------
@@ -910,6 +911,135 @@ size_t bwd_ring_smem(int S, int nv, int chunks, int threads, bool bias_sums) {
          (bias_sums ? size_t(nv) * kVec * threads * 4 : 0);
 }
 
+// -- the ring forward -------------------------------------------------------------------------
+//
+// fwd_rows holds its row in registers: a block has its rows in flight from its start to its group
+// sum only, then reduces and writes while nothing of its own is read, and the registers (80 at 8
+// vectors a thread) cap an SM at three blocks of 256 threads. fwd_ring is bwd_ring's layout for
+// the forward: a persistent grid, each thread copying its own 16-byte chunks of the row S - 1
+// rows ahead with cp.async into a ring in shared memory (no barrier guards the ring), reading the
+// row from its stage for the sums and again for the output. 16-bit input with weight, bias and
+// output in its dtype (the LEAN case); LayerNorm with the one-pass moments (the row's first
+// element, the shift, rides in the ring too).
+
+// Dynamic shared memory of fwd_ring: [S][NV][threads] 16-byte chunks, then [S][threads] words (the
+// first two elements of the row: LayerNorm's shift).
+size_t fwd_ring_smem(int S, int nv, int threads) {
+  return size_t(S) * nv * threads * 16 + size_t(S) * threads * 4;
+}
+
+template <typename Tx, int NV, bool RMS>
+__global__ void __launch_bounds__(kMaxTX) fwd_ring(FwdArgs a) {
+  static_assert(sizeof(Tx) == 2, "fwd_ring takes 16-bit input (a vector is one 16-byte chunk)");
+  const int S = a.stages;
+  __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
+  extern __shared__ __align__(16) float dyn[];
+  GroupSum gsum{slots, 0};
+  const int64_t nvec = a.H / kVec;
+  const float inv_h = 1.f / static_cast<float>(a.H);
+  const int nthreads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  uint4* ring = reinterpret_cast<uint4*>(dyn);
+  uint32_t* first = reinterpret_cast<uint32_t*>(ring + size_t(S) * NV * nthreads);
+  const int64_t G = int64_t(gridDim.x) * blockDim.y;
+  const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
+  const Tx* x = static_cast<const Tx*>(a.x);
+  // Issue the copies of row r into stage s (an empty group past the end keeps the count).
+  auto issue = [&](int64_t r, int s) {
+    if (r < a.rows) {
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) cp_async16(ring + (size_t(s) * NV + k) * nthreads + tid, x + r * a.H + j * kVec);
+      }
+      if (!RMS) cp_async4(first + s * nthreads + tid, x + r * a.H);
+    }
+    cp_async_commit();
+  };
+  for (int s = 0; s < S - 1; ++s) issue(group + s * G, s);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = group + it * G;
+    const bool live = row < a.rows;
+    issue(row + (S - 1) * G, int((it + S - 1) % S));
+    cp_async_wait(S - 1);  // this row's group has landed
+    const int s = int(it % S);
+    // This thread's own chunks of the stage, read in each pass; a later iteration's copies into
+    // the stage come after both (the copies and the wait clobber memory).
+    const uint4* xs = ring + size_t(s) * NV * nthreads + tid;
+    auto vec = [&](int k) {
+      Pack<Tx> p;
+      *reinterpret_cast<uint4*>(&p) = xs[k * nthreads];
+      return p;
+    };
+    float mu = 0.f, r;
+    if constexpr (RMS) {
+      float q = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+          const Pack<Tx> p = vec(k);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) q = fmaf(elem(p, e), elem(p, e), q);
+        }
+      }
+      r = rsqrtf(gsum.one(q) * inv_h + a.eps);
+    } else {
+      // fwd_rows' one-pass moments: sums of d = x - K and d^2, K the row's first element.
+      Pack<Tx> head;
+      reinterpret_cast<uint32_t*>(head.v)[0] = first[s * nthreads + tid];
+      const float K = live ? elem(head, 0) : 0.f;
+      float sd = 0.f, q = 0.f;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (live && j < nvec) {
+          const Pack<Tx> p = vec(k);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float d = elem(p, e) - K;
+            sd += d;
+            q = fmaf(d, d, q);
+          }
+        }
+      }
+      const float2 t = gsum(sd, q);
+      const float dm = t.x * inv_h;
+      mu = K + dm;
+      const float var = t.y * inv_h - dm * dm;
+      r = rsqrtf((var < 0.f ? 0.f : var) + a.eps);  // not fmaxf: a NaN row stays NaN (fast math)
+    }
+    if (live) {
+      if (threadIdx.x == 0) {
+        if (!RMS) a.mean[row] = mu;
+        a.rstd[row] = r;
+      }
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
+        if (j < nvec) {
+          const Pack<Tx> p = vec(k);
+          float w[kVec], b[kVec], o[kVec];
+          if (a.w) load_vec<Tx>(a.w, j * kVec, w);
+          if (!RMS && a.b) load_vec<Tx>(a.b, j * kVec, b);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float y = (elem(p, e) - mu) * r;  // as fwd_rows: not x * r - mu * r
+            if (!RMS && a.b) {
+              o[e] = fmaf(y, a.w ? w[e] : 1.f, b[e]);
+            } else {
+              o[e] = a.w ? y * w[e] : y;
+            }
+          }
+          store_vec<Tx>(a.y, row * a.H + j * kVec, o);
+        }
+      }
+    }
+  }
+  cp_async_wait(0);  // nothing may be in flight when the block exits
+}
+
 template <typename Tx, int NV, bool RMS>
 __global__ void __launch_bounds__(kMaxTX) bwd_vec(BwdArgs a) {
   __shared__ float2 smem[32 * 32];
@@ -1043,27 +1173,54 @@ __global__ void colpart(BwdArgs a, int64_t rows_per_split) {
 }
 
 // Stage 2: out[col] = sum over g of part[g, col], in a fixed order; blockIdx.y picks the pair
-// (weight, then bias), so both gradients take one launch.
+// (weight, then bias), so both gradients take one launch. A block of 1024 threads takes W columns
+// (W = 8, 16 or 32 by H: colsum_width), 1024 / W threads down each, four independent loads in
+// flight per thread, then a tree over the threads in shared memory. The partials (G up to ~1000
+// rows of H floats, just written, so in L2) are latency-bound: the earlier shape (32 columns, 8
+// threads down each, one running sum) left most SMs idle at H <= 2048 (32-64 blocks) and took
+// 7.4 us at H=4096 (RMSNorm, torch.profiler, 12-04 10:00) for 6.5 MB.
 struct ColSums {
   const float* part[2];
   void* out[2];
 };
 
-__global__ void colsum(ColSums c, int64_t G, int64_t H, int ot) {
-  __shared__ float s[8][33];
-  const float* part = c.part[blockIdx.y];
-  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
+constexpr int kColsumThreads = 1024;
+
+template <int W>
+__global__ void __launch_bounds__(kColsumThreads) colsum(ColSums c, int64_t G, int64_t H, int ot) {
+  constexpr int R = kColsumThreads / W;  // threads down each column
+  __shared__ float s[R][W + 1];
+  // Selects, not an index: a run-time index into the parameter array would copy it to the stack.
+  const float* part = blockIdx.y ? c.part[1] : c.part[0];
+  const int tx = threadIdx.x % W, ty = threadIdx.x / W;
+  const int64_t col = int64_t(blockIdx.x) * W + tx;
   float v = 0.f;
-  if (col < H)
-    for (int64_t g = threadIdx.y; g < G; g += 8) v += part[g * H + col];
-  s[threadIdx.y][threadIdx.x] = v;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < H) {
-#pragma unroll
-    for (int i = 1; i < 8; ++i) v += s[i][threadIdx.x];
-    store_dt(c.out[blockIdx.y], ot, col, v);
+  if (col < H) {
+    const float* p = part + col;
+    float v1 = 0.f, v2 = 0.f, v3 = 0.f;
+    int64_t g = ty;
+    for (; g + 3 * R < G; g += 4 * R) {
+      v += p[g * H];
+      v1 += p[(g + R) * H];
+      v2 += p[(g + 2 * R) * H];
+      v3 += p[(g + 3 * R) * H];
+    }
+    for (; g < G; g += R) v += p[g * H];
+    v = (v + v1) + (v2 + v3);
   }
+  s[ty][tx] = v;
+  __syncthreads();
+#pragma unroll
+  for (int half = R / 2; half > 0; half /= 2) {
+    if (ty < half) s[ty][tx] += s[ty + half][tx];
+    __syncthreads();
+  }
+  if (ty == 0 && col < H) store_dt(blockIdx.y ? c.out[1] : c.out[0], ot, col, s[0][tx]);
 }
+
+// colsum's columns per block: 128-512 blocks at H = 1024..16384, and a function of H only, so the
+// order of the sums, and with it the bits of the result, is the same on every GPU.
+int colsum_width(int64_t H) { return H >= 8192 ? 32 : H >= 4096 ? 16 : 8; }
 
 // -- launchers -------------------------------------------------------------------------------
 
@@ -1192,6 +1349,8 @@ struct Tune {
   // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
   // vector); 0: the general one.
   int bwd_lean = 1;
+  // The 16-bit forward through fwd_ring: its stages (2 to 4; 0: off), and its vectors per thread.
+  int fwd_ring = 3, fwd_ring_pt = 2;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1209,6 +1368,7 @@ constexpr Knob kKnobs[] = {
     {"ln_one_pass", &Tune::ln_one_pass, 0, kAny}, {"fwd_r80", &Tune::fwd_r80, 0, kAny},
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
+    {"fwd_ring", &Tune::fwd_ring, 0, 4},          {"fwd_ring_pt", &Tune::fwd_ring_pt, 1, kAny},
 };
 
 const Tune& tune() {
@@ -1364,12 +1524,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   }
   const Config c = pick(H, aligned, 8, per_thread, 1);
   const dim3 block(c.tx, c.ty);
-  const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
+  auto row_blocks_of = [&](const Config& k) { return (rows + k.ty - 1) / k.ty; };
+  const int64_t row_blocks = row_blocks_of(c);
   auto stream = c10::cuda::getCurrentCUDAStream();
   // fwd_fast's LEAN variant and fwd_fast_r80 (see Tune's fwd_r80).
   const bool same = all_in_dtype_of(input, weight, bias, out);
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
+    if constexpr (sizeof(Tx) == 2) {
+      // fwd_ring (Tune's fwd_ring): weight, bias and output in the input's dtype, LayerNorm
+      // with the one-pass moments, rows of up to 4 vectors a thread, its ring within the
+      // device's shared memory.
+      const Config rc = pick(H, aligned, 4, tune().fwd_ring_pt, 32);
+      if (tune().fwd_ring >= 2 && same && (RMS || a.one_pass) && rc.nv > 0) {
+        const int threads = rc.tx * rc.ty;
+        int S = tune().fwd_ring;
+        while (S > 2 && fwd_ring_smem(S, rc.nv, threads) > kRingSmemCap) --S;
+        const size_t smem = fwd_ring_smem(S, rc.nv, threads);
+        if (smem <= max_dyn_smem(input.get_device())) {
+          a.stages = S;
+          auto ring = [&](auto kernel) {
+            const int64_t fit = resident_blocks(reinterpret_cast<const void*>(kernel), threads, smem,
+                                                input.get_device());
+            const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(row_blocks_of(rc), fit)));
+            kernel<<<blocks, dim3(rc.tx, rc.ty), smem, stream>>>(a);
+          };
+          switch (rc.nv) {
+            case 1: return ring(fwd_ring<Tx, 1, RMS>);
+            case 2: return ring(fwd_ring<Tx, 2, RMS>);
+            default: return ring(fwd_ring<Tx, 4, RMS>);
+          }
+        }
+      }
+    }
     auto fast = [&](auto nv_tag) {
       constexpr int NV = decltype(nv_tag)::value;
       auto kernel = fwd_fast<Tx, NV, RMS, false>;
@@ -1545,12 +1732,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
               }
               launch(bwd_ring<Tx, NV, RMS, false, L>, true);
             };
-            // Only rows of 1-2 vectors: at 4 (H > 4096) LEAN measured slower (H200 18:1x,
-            // fwd+bwd ms, LEAN / general: RMSNorm H=8192 at 80 registers 0.853 / 0.714-0.719,
-            // LayerNorm H=8192 0.926 / 0.865-0.869, H=16384 1.923 / 1.840-1.844; faster only
-            // for RMSNorm's rows of 512 threads, H=16384: 1.390-1.395 / 1.416-1.451).
-            if constexpr (NV <= 2) {
-              if (lean) return plain(std::true_type{});
+            // Rows of 1-2 vectors, and RMSNorm's 4-vector rows of 512 threads (H=16384): at 4
+            // vectors LEAN measured slower elsewhere (H200 18:1x, fwd+bwd ms, LEAN / general:
+            // RMSNorm H=8192 at 80 registers 0.853 / 0.714-0.719, LayerNorm H=8192 0.926 /
+            // 0.865-0.869, H=16384 1.923 / 1.840-1.844) but for those rows: 1.390-1.395 /
+            // 1.416-1.451.
+            if constexpr (NV <= 2 || RMS) {
+              if (lean && (NV <= 2 || c.tx > 256)) return plain(std::true_type{});
             }
             return plain(std::false_type{});
           }
@@ -1602,8 +1790,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     sums.out[n++] = gb.data_ptr();
   }
   if (n > 0) {
-    colsum<<<dim3(static_cast<unsigned>((H + 31) / 32), n), dim3(32, 8), 0, stream>>>(sums, groups,
-                                                                                     H, wt);
+    const int width = colsum_width(H);
+    const dim3 grid(static_cast<unsigned>((H + width - 1) / width), n);
+    auto kernel = width == 32 ? colsum<32> : width == 16 ? colsum<16> : colsum<8>;
+    kernel<<<grid, kColsumThreads, 0, stream>>>(sums, groups, H, wt);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dx, gw, gb};
