@@ -5,7 +5,8 @@
 #   FWD_SWEEP=1  the forward's register caps and vectors per thread, float32's vectors per thread
 #   BWD_SWEEP=1  the backward's register caps and row widths
 #   BWD_LEAN=1   the ring backward's LEAN variant against the general one
-#   FWD_RING=1   the 16-bit forward's ring (fwd_ring) against fwd_rows, its stages and widths
+#   SWEEP_SETTINGS="a=1 a=2 ..."  any APEX_NORM_TUNE settings, one process each (SWEEP_PASSES,
+#                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them)
 #   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096 (NCU_H: another
 #                H; NCU_K: the kernel-name regex, default "fwd_fast|bwd_ring")
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
@@ -78,12 +79,9 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
   SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 sweep sweep_lean.txt 150 \
     "bwd_lean=1" "bwd_lean=0" "bwd_lean=1" "bwd_lean=0"
 fi
-if [ "${FWD_RING:-0}" = 1 ]; then
-  # The forward's ring (2026-12-04 20:xx): off (fwd_fast_r80 / fwd_fast's LEAN, the kernels
-  # before it) against 2-4 stages at 1, 2 and 4 vectors a thread; off and the default twice.
-  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_ring.txt 330 "fwd_ring=0" \
-    "fwd_ring=3" "fwd_ring=2" "fwd_ring=4" "fwd_ring=3,fwd_ring_pt=4" "fwd_ring=3,fwd_ring_pt=1" \
-    "fwd_ring=0" "fwd_ring=3"
+if [ -n "${SWEEP_SETTINGS:-}" ]; then
+  # shellcheck disable=SC2086  # one word per setting
+  sweep sweep_settings.txt 300 $SWEEP_SETTINGS
 fi
 if [ "${SHAPES:-0}" = 1 ]; then
   timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1

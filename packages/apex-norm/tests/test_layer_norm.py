@@ -383,19 +383,16 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
         "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
-        "fwd_ring=0",  # the 16-bit forward held in registers (fwd_fast_r80, fwd_fast's LEAN)
-        "fwd_ring=0,fwd_r80=0,bwd_r80=0",  # the 16-bit kernels without their 80-register caps
-        "fwd_ring=2,fwd_ring_pt=1",  # the forward's ring at 2 stages, 1 vector a thread
-        "fwd_ring=4,fwd_ring_pt=4",  # and at 4 stages (fewer where it would not fit), 4 vectors
+        "fwd_r80=0,bwd_r80=0",  # the 16-bit kernels without their 80-register caps
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0",  # the general ring, 2-vector rows at H=8192
         "bwd_ring=4",  # a ring of 4 stages where it fits (rows up to H=4096), fewer above
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
-    fresh one), the rings or the one-pass forward off, the 16-bit kernels without their register
-    caps or their LEAN ring, or other ring depths and widths, each case takes another kernel and
-    is still right."""
+    fresh one), the ring or the one-pass forward off, the 16-bit kernels without their register
+    caps or their LEAN ring, or a deeper ring, each case takes another kernel and is still
+    right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in KNOB_CASES]
     script.write_text(

@@ -173,7 +173,6 @@ struct FwdArgs {
   float eps;
   int wt, yt;
   bool one_pass;  // fwd_fast's LayerNorm moments from shifted sums (see fwd_fast)
-  int stages;     // fwd_ring: rows in the shared-memory ring (2 to 4)
 };
 
 // -- the fast path's pieces -------------------------------------------------------------------
@@ -911,135 +910,6 @@ size_t bwd_ring_smem(int S, int nv, int chunks, int threads, bool bias_sums) {
          (bias_sums ? size_t(nv) * kVec * threads * 4 : 0);
 }
 
-// -- the ring forward -------------------------------------------------------------------------
-//
-// fwd_rows holds its row in registers: a block has its rows in flight from its start to its group
-// sum only, then reduces and writes while nothing of its own is read, and the registers (80 at 8
-// vectors a thread) cap an SM at three blocks of 256 threads. fwd_ring is bwd_ring's layout for
-// the forward: a persistent grid, each thread copying its own 16-byte chunks of the row S - 1
-// rows ahead with cp.async into a ring in shared memory (no barrier guards the ring), reading the
-// row from its stage for the sums and again for the output. 16-bit input with weight, bias and
-// output in its dtype (the LEAN case); LayerNorm with the one-pass moments (the row's first
-// element, the shift, rides in the ring too).
-
-// Dynamic shared memory of fwd_ring: [S][NV][threads] 16-byte chunks, then [S][threads] words (the
-// first two elements of the row: LayerNorm's shift).
-size_t fwd_ring_smem(int S, int nv, int threads) {
-  return size_t(S) * nv * threads * 16 + size_t(S) * threads * 4;
-}
-
-template <typename Tx, int NV, bool RMS>
-__global__ void __launch_bounds__(kMaxTX) fwd_ring(FwdArgs a) {
-  static_assert(sizeof(Tx) == 2, "fwd_ring takes 16-bit input (a vector is one 16-byte chunk)");
-  const int S = a.stages;
-  __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
-  extern __shared__ __align__(16) float dyn[];
-  GroupSum gsum{slots, 0};
-  const int64_t nvec = a.H / kVec;
-  const float inv_h = 1.f / static_cast<float>(a.H);
-  const int nthreads = blockDim.x * blockDim.y;
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  uint4* ring = reinterpret_cast<uint4*>(dyn);
-  uint32_t* first = reinterpret_cast<uint32_t*>(ring + size_t(S) * NV * nthreads);
-  const int64_t G = int64_t(gridDim.x) * blockDim.y;
-  const int64_t group = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  const int64_t iters = (a.rows + G - 1) / G;  // the same for every thread (barriers inside)
-  const Tx* x = static_cast<const Tx*>(a.x);
-  // Issue the copies of row r into stage s (an empty group past the end keeps the count).
-  auto issue = [&](int64_t r, int s) {
-    if (r < a.rows) {
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-        if (j < nvec) cp_async16(ring + (size_t(s) * NV + k) * nthreads + tid, x + r * a.H + j * kVec);
-      }
-      if (!RMS) cp_async4(first + s * nthreads + tid, x + r * a.H);
-    }
-    cp_async_commit();
-  };
-  for (int s = 0; s < S - 1; ++s) issue(group + s * G, s);
-  for (int64_t it = 0; it < iters; ++it) {
-    const int64_t row = group + it * G;
-    const bool live = row < a.rows;
-    issue(row + (S - 1) * G, int((it + S - 1) % S));
-    cp_async_wait(S - 1);  // this row's group has landed
-    const int s = int(it % S);
-    // This thread's own chunks of the stage, read in each pass; a later iteration's copies into
-    // the stage come after both (the copies and the wait clobber memory).
-    const uint4* xs = ring + size_t(s) * NV * nthreads + tid;
-    auto vec = [&](int k) {
-      Pack<Tx> p;
-      *reinterpret_cast<uint4*>(&p) = xs[k * nthreads];
-      return p;
-    };
-    float mu = 0.f, r;
-    if constexpr (RMS) {
-      float q = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-        if (live && j < nvec) {
-          const Pack<Tx> p = vec(k);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) q = fmaf(elem(p, e), elem(p, e), q);
-        }
-      }
-      r = rsqrtf(gsum.one(q) * inv_h + a.eps);
-    } else {
-      // fwd_rows' one-pass moments: sums of d = x - K and d^2, K the row's first element.
-      Pack<Tx> head;
-      reinterpret_cast<uint32_t*>(head.v)[0] = first[s * nthreads + tid];
-      const float K = live ? elem(head, 0) : 0.f;
-      float sd = 0.f, q = 0.f;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-        if (live && j < nvec) {
-          const Pack<Tx> p = vec(k);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const float d = elem(p, e) - K;
-            sd += d;
-            q = fmaf(d, d, q);
-          }
-        }
-      }
-      const float2 t = gsum(sd, q);
-      const float dm = t.x * inv_h;
-      mu = K + dm;
-      const float var = t.y * inv_h - dm * dm;
-      r = rsqrtf((var < 0.f ? 0.f : var) + a.eps);  // not fmaxf: a NaN row stays NaN (fast math)
-    }
-    if (live) {
-      if (threadIdx.x == 0) {
-        if (!RMS) a.mean[row] = mu;
-        a.rstd[row] = r;
-      }
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-        if (j < nvec) {
-          const Pack<Tx> p = vec(k);
-          float w[kVec], b[kVec], o[kVec];
-          if (a.w) load_vec<Tx>(a.w, j * kVec, w);
-          if (!RMS && a.b) load_vec<Tx>(a.b, j * kVec, b);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const float y = (elem(p, e) - mu) * r;  // as fwd_rows: not x * r - mu * r
-            if (!RMS && a.b) {
-              o[e] = fmaf(y, a.w ? w[e] : 1.f, b[e]);
-            } else {
-              o[e] = a.w ? y * w[e] : y;
-            }
-          }
-          store_vec<Tx>(a.y, row * a.H + j * kVec, o);
-        }
-      }
-    }
-  }
-  cp_async_wait(0);  // nothing may be in flight when the block exits
-}
-
 template <typename Tx, int NV, bool RMS>
 __global__ void __launch_bounds__(kMaxTX) bwd_vec(BwdArgs a) {
   __shared__ float2 smem[32 * 32];
@@ -1178,7 +1048,9 @@ __global__ void colpart(BwdArgs a, int64_t rows_per_split) {
 // flight per thread, then a tree over the threads in shared memory. The partials (G up to ~1000
 // rows of H floats, just written, so in L2) are latency-bound: the earlier shape (32 columns, 8
 // threads down each, one running sum) left most SMs idle at H <= 2048 (32-64 blocks) and took
-// 7.4 us at H=4096 (RMSNorm, torch.profiler, 12-04 10:00) for 6.5 MB.
+// 7.4 us at H=4096 (RMSNorm, torch.profiler, 12-04 10:00) for 6.5 MB. Measured against it (H200,
+// 12-04 19:5x, bf16 fwd+bwd ms, two runs each): RMSNorm H=1024 0.0977, 0.0980 against 0.1009,
+// 0.1017; LayerNorm 0.1156, 0.1151 against 0.1181, 0.1187; H >= 2048 within the run's noise.
 struct ColSums {
   const float* part[2];
   void* out[2];
@@ -1349,8 +1221,6 @@ struct Tune {
   // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
   // vector); 0: the general one.
   int bwd_lean = 1;
-  // The 16-bit forward through fwd_ring: its stages (2 to 4; 0: off), and its vectors per thread.
-  int fwd_ring = 3, fwd_ring_pt = 2;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1368,7 +1238,6 @@ constexpr Knob kKnobs[] = {
     {"ln_one_pass", &Tune::ln_one_pass, 0, kAny}, {"fwd_r80", &Tune::fwd_r80, 0, kAny},
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
-    {"fwd_ring", &Tune::fwd_ring, 0, 4},          {"fwd_ring_pt", &Tune::fwd_ring_pt, 1, kAny},
 };
 
 const Tune& tune() {
@@ -1524,39 +1393,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   }
   const Config c = pick(H, aligned, 8, per_thread, 1);
   const dim3 block(c.tx, c.ty);
-  auto row_blocks_of = [&](const Config& k) { return (rows + k.ty - 1) / k.ty; };
-  const int64_t row_blocks = row_blocks_of(c);
+  const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
   // fwd_fast's LEAN variant and fwd_fast_r80 (see Tune's fwd_r80).
   const bool same = all_in_dtype_of(input, weight, bias, out);
   dispatch_x(input.scalar_type(), [&](auto tag) {
     using Tx = decltype(tag);
-    if constexpr (sizeof(Tx) == 2) {
-      // fwd_ring (Tune's fwd_ring): weight, bias and output in the input's dtype, LayerNorm
-      // with the one-pass moments, rows of up to 4 vectors a thread, its ring within the
-      // device's shared memory.
-      const Config rc = pick(H, aligned, 4, tune().fwd_ring_pt, 32);
-      if (tune().fwd_ring >= 2 && same && (RMS || a.one_pass) && rc.nv > 0) {
-        const int threads = rc.tx * rc.ty;
-        int S = tune().fwd_ring;
-        while (S > 2 && fwd_ring_smem(S, rc.nv, threads) > kRingSmemCap) --S;
-        const size_t smem = fwd_ring_smem(S, rc.nv, threads);
-        if (smem <= max_dyn_smem(input.get_device())) {
-          a.stages = S;
-          auto ring = [&](auto kernel) {
-            const int64_t fit = resident_blocks(reinterpret_cast<const void*>(kernel), threads, smem,
-                                                input.get_device());
-            const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(row_blocks_of(rc), fit)));
-            kernel<<<blocks, dim3(rc.tx, rc.ty), smem, stream>>>(a);
-          };
-          switch (rc.nv) {
-            case 1: return ring(fwd_ring<Tx, 1, RMS>);
-            case 2: return ring(fwd_ring<Tx, 2, RMS>);
-            default: return ring(fwd_ring<Tx, 4, RMS>);
-          }
-        }
-      }
-    }
     auto fast = [&](auto nv_tag) {
       constexpr int NV = decltype(nv_tag)::value;
       auto kernel = fwd_fast<Tx, NV, RMS, false>;
@@ -1736,7 +1578,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             // vectors LEAN measured slower elsewhere (H200 18:1x, fwd+bwd ms, LEAN / general:
             // RMSNorm H=8192 at 80 registers 0.853 / 0.714-0.719, LayerNorm H=8192 0.926 /
             // 0.865-0.869, H=16384 1.923 / 1.840-1.844) but for those rows: 1.390-1.395 /
-            // 1.416-1.451.
+            // 1.416-1.451, and again at 19:5x (with colsum's new shape): 1.4404, 1.4198 /
+            // 1.4727, 1.4443.
             if constexpr (NV <= 2 || RMS) {
               if (lean && (NV <= 2 || c.tx > 256)) return plain(std::true_type{});
             }
