@@ -384,7 +384,8 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
         "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
         "fwd_r80=0,bwd_r80=0",  # the 16-bit kernels without their 80-register caps
-        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0",  # the general ring, 2-vector rows at H=8192
+        # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
+        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
         "bwd_ring=4",  # a ring of 4 stages where it fits (rows up to H=4096), fewer above
     ],
 )

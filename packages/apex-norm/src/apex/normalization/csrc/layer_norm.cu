@@ -1221,6 +1221,14 @@ struct Tune {
   // grad_input in the input's dtype through its LEAN variant (no run-time dtype branches per
   // vector); 0: the general one.
   int bwd_lean = 1;
+  // The 16-bit forward on rows of 257-512 vectors (2048 < H <= 4096), both norms: vectors per
+  // thread (0: fwd_pt16), so H=4096 runs rows of 128 threads at 4 vectors through fwd_fast's LEAN
+  // variant, not 64 at 8 through fwd_fast_r80. Measured on an H200 (2026-12-04 20:1x, ours only,
+  // bf16 fwd ms, fwd_pt16=4 / 8 in two runs each): H=4096 RMSNorm 0.1320, 0.1322 / 0.1362, 0.1363,
+  // LayerNorm 0.1450, 0.1451 / 0.1495, 0.1501; not elsewhere: H=2048 LayerNorm 0.0741, 0.0750 /
+  // 0.0732, 0.0732 (RMSNorm the same), H=8192 LayerNorm 0.2952, 0.2926 / 0.2873, 0.2874 (RMSNorm
+  // 0.2612, 0.2611 / 0.2624, 0.2623), H=16384 RMSNorm 0.5584, 0.5602 / 0.5142, 0.5138.
+  int fwd_mid_pt16 = 4;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1238,6 +1246,7 @@ constexpr Knob kKnobs[] = {
     {"ln_one_pass", &Tune::ln_one_pass, 0, kAny}, {"fwd_r80", &Tune::fwd_r80, 0, kAny},
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
+    {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1390,6 +1399,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
   int per_thread = input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt;
   if (RMS && input.element_size() == 2 && H <= 256 * kVec && tune().rms_short_pt16 > 0) {
     per_thread = tune().rms_short_pt16;
+  }
+  // 16-bit rows of 257-512 vectors (2048 < H <= 4096) at fwd_mid_pt16 vectors a thread.
+  if (input.element_size() == 2 && H > 256 * kVec && H <= 512 * kVec && tune().fwd_mid_pt16 > 0) {
+    per_thread = tune().fwd_mid_pt16;
   }
   const Config c = pick(H, aligned, 8, per_thread, 1);
   const dim3 block(c.tx, c.ty);
