@@ -6,7 +6,9 @@
 #   BWD_SWEEP=1  the backward's register caps and row widths
 #   BWD_LEAN=1   the ring backward's LEAN variant against the general one
 #   SWEEP_SETTINGS="a=1 a=2 ..."  any APEX_NORM_TUNE settings, one process each (SWEEP_PASSES,
-#                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them)
+#                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them; exported for the
+#                whole call, they also narrow the stages that do not set their own, BASE's A/B
+#                included; SWEEP_SECONDS: its time limit, default 300)
 #   NCU=1        Nsight Compute on the 16-bit forward and ring backward at H = 4096 (NCU_H: another
 #                H; NCU_K: the kernel-name regex, default "fwd_fast|bwd_ring")
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
@@ -48,9 +50,11 @@ fi
 if [ "${FWD_SWEEP:-0}" = 1 ]; then
   # The forward's shapes (2026-12-04): both norms through fwd_fast_r80 (fwd_r80=3) or RMSNorm
   # through fwd_fast's LEAN variant (1), LayerNorm bf16 at 2 and 4 vectors a thread without the
-  # 80-register cap; float32 at 4 vectors a thread (the old default) against 2.
-  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_fwd.txt 240 "fwd_r80=3" "fwd_r80=1" \
-    "fwd_pt16=4,fwd_r80=0" "fwd_pt16=2,fwd_r80=0" "fwd_r80=3,rms_short_pt16=0" "fwd_r80=3"
+  # 80-register cap; float32 at 4 vectors a thread (the old default) against 2. fwd_mid_pt16=0 in
+  # each: since 20:2x it overrides fwd_pt16 at 2048 < H <= 4096.
+  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_fwd.txt 240 "fwd_r80=3,fwd_mid_pt16=0" \
+    "fwd_r80=1,fwd_mid_pt16=0" "fwd_pt16=4,fwd_r80=0,fwd_mid_pt16=0" "fwd_pt16=2,fwd_r80=0,fwd_mid_pt16=0" \
+    "fwd_r80=3,rms_short_pt16=0,fwd_mid_pt16=0" "fwd_r80=3,fwd_mid_pt16=0"
   SWEEP_DT=fp32 SWEEP_H=1024,4096,16384 sweep sweep_fwd32.txt 100 "fwd_pt=4" "fwd_pt=2"
 fi
 if [ "${BWD_SWEEP:-0}" = 1 ]; then
@@ -81,7 +85,7 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
 fi
 if [ -n "${SWEEP_SETTINGS:-}" ]; then
   # shellcheck disable=SC2086  # one word per setting
-  sweep sweep_settings.txt 300 $SWEEP_SETTINGS
+  sweep sweep_settings.txt "${SWEEP_SECONDS:-300}" $SWEEP_SETTINGS
 fi
 if [ "${SHAPES:-0}" = 1 ]; then
   timeout 240 python3 scripts/norm_kernel_shapes.py > "$OUT/shapes.txt" 2>&1

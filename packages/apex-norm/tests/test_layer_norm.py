@@ -30,6 +30,7 @@ from apex.normalization.fused_layer_norm import (
     FusedLayerNormAffineFunction,
     fused_layer_norm,
     fused_layer_norm_affine,
+    fused_rms_norm_affine,
     mixed_dtype_fused_layer_norm_affine,
 )
 
@@ -266,8 +267,8 @@ def test_reference_statistics_are_per_row_float32():
 # 12288: 16-bit rows of 4 vectors a thread whose last vectors are partly past the row (bwd_ring
 # with its bias sums in shared memory). 8, 64, 256, 520, 1024: the forward's row groups narrower
 # than a warp (1 to 16 threads a row; 520's last vectors past the row).
-CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 4104, 8192, 12288, 16384, 32768, 65536,
-          65539]  # fmt: skip
+CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 3080, 4104, 8192, 12288, 16384, 32768,
+          65536, 65539]  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -308,6 +309,26 @@ def test_cuda_two_x_rule_against_torch(dtype, H):
     ours = (fused_layer_norm_affine(x, w, b, (H,), 1e-5).double() - oracle).abs().max()
     theirs = (F.layer_norm(x, (H,), w, b, 1e-5).double() - oracle).abs().max()
     assert ours <= 2 * theirs + 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("H,rows", [(1024, 30011), (4096, 8009), (16384, 1031), (100, 5000)])
+def test_cuda_weight_and_bias_gradients_repeat_bit_for_bit(norm, H, rows):
+    """The weight and bias gradients are sums over rows in a fixed order (per-group partials,
+    then column sums): two backward passes of the same call give the same bits."""
+    x = make((rows, H), torch.bfloat16, "cuda", requires_grad=True, scale=2.0, shift=0.5)
+    w, b = param((H,), torch.bfloat16, "cuda"), param((H,), torch.bfloat16, "cuda")
+    params = [w] if norm == "rms" else [w, b]
+    if norm == "rms":
+        y = fused_rms_norm_affine(x, w, (H,), 1e-5)
+    else:
+        y = fused_layer_norm_affine(x, w, b, (H,), 1e-5)
+    dy = torch.randn_like(y)
+    first = torch.autograd.grad(y, params, dy, retain_graph=True)
+    second = torch.autograd.grad(y, params, dy)
+    for g1, g2 in zip(first, second):
+        assert torch.equal(g1, g2)
 
 
 @pytest.mark.cuda
@@ -392,8 +413,8 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
     fresh one), the ring or the one-pass forward off, the 16-bit kernels without their register
-    caps or their LEAN ring, or a deeper ring, each case takes another kernel and is still
-    right."""
+    caps or their LEAN ring, the forward's vectors a thread at H=4096 back at 8, or a deeper
+    ring, each case takes another kernel and is still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in KNOB_CASES]
     script.write_text(

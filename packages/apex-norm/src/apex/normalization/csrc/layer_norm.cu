@@ -1045,12 +1045,14 @@ __global__ void colpart(BwdArgs a, int64_t rows_per_split) {
 // Stage 2: out[col] = sum over g of part[g, col], in a fixed order; blockIdx.y picks the pair
 // (weight, then bias), so both gradients take one launch. A block of 1024 threads takes W columns
 // (W = 8, 16 or 32 by H: colsum_width), 1024 / W threads down each, four independent loads in
-// flight per thread, then a tree over the threads in shared memory. The partials (G up to ~1000
-// rows of H floats, just written, so in L2) are latency-bound: the earlier shape (32 columns, 8
-// threads down each, one running sum) left most SMs idle at H <= 2048 (32-64 blocks) and took
-// 7.4 us at H=4096 (RMSNorm, torch.profiler, 12-04 10:00) for 6.5 MB. Measured against it (H200,
-// 12-04 19:5x, bf16 fwd+bwd ms, two runs each): RMSNorm H=1024 0.0977, 0.0980 against 0.1009,
-// 0.1017; LayerNorm 0.1156, 0.1151 against 0.1181, 0.1187; H >= 2048 within the run's noise.
+// flight per thread, then a tree over the threads in shared memory. The partials (G rows of H
+// floats, just written: by the launch arithmetic G is ~400-1000 on an H200 at [32768, H <= 4096],
+// a few MB, in L2) are latency-bound: the earlier shape (32 columns, 8 threads down each, one running sum) left
+// most SMs idle at H <= 2048 (32-64 blocks a gradient) and took 7.4 us at H=4096 (RMSNorm,
+// torch.profiler, 12-04 10:00) for 6.5 MB. Measured against it (H200, 12-04 19:5x, bf16
+// fwd+bwd ms, two runs each): RMSNorm H=1024 0.0977, 0.0980 against 0.1009, 0.1017; LayerNorm
+// 0.1156, 0.1151 against 0.1181, 0.1187; H = 2048-8192 within the run's noise (H=16384: see the
+// LEAN ring in bwd_impl, timed in the same A/B).
 struct ColSums {
   const float* part[2];
   void* out[2];
@@ -1090,8 +1092,9 @@ __global__ void __launch_bounds__(kColsumThreads) colsum(ColSums c, int64_t G, i
   if (ty == 0 && col < H) store_dt(blockIdx.y ? c.out[1] : c.out[0], ot, col, s[0][tx]);
 }
 
-// colsum's columns per block: 128-512 blocks at H = 1024..16384, and a function of H only, so the
-// order of the sums, and with it the bits of the result, is the same on every GPU.
+// colsum's columns per block: 128-512 blocks at H = 1024..16384. A function of H only, so the
+// order of colsum's sums depends on G and H alone (G, the row groups, follows the GPU's SM count
+// and occupancy: a run repeats its bits on one GPU, not across GPUs).
 int colsum_width(int64_t H) { return H >= 8192 ? 32 : H >= 4096 ? 16 : 8; }
 
 // -- launchers -------------------------------------------------------------------------------
@@ -1154,7 +1157,8 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
 // bwd_ring); smem_kb caps a block's shared memory (0: the device's), for tests of the fallbacks
 // that GPUs with less shared memory take. Measured on an
 // H200 (2026-12-03, [32768, H], scripts/norm_sweep.sh): the forward without persistence and with
-// 128 bytes of a row per thread (8 vectors of bf16) is fastest: RMSNorm bf16 H=4096 148 us
+// 128 bytes of a row per thread (8 vectors of bf16) is fastest (today's kernels at
+// 2048 < H <= 4096 take 4: fwd_mid_pt16): RMSNorm bf16 H=4096 148 us
 // against 199 us persistent and 221 us with 4 bf16 vectors (that kernel; see rms_short_pt16 for
 // RMSNorm's short rows now). float32 (2026-12-04 15:4x, H=4096 fwd, % of copy at fwd_pt = 4 / 2
 // / 1): RMSNorm 95.3 / 99.1 / 92.6, LayerNorm 80.9 / 84.7 / 48.3, so 2 vectors (64 bytes) a
@@ -1185,7 +1189,8 @@ struct Tune {
   // 0.2630 / 0.5150 against 0.0363 (2 vectors, rms_short_pt16) / 0.0698 / 0.1441 / 0.2805 /
   // 0.5582 through LEAN (86 registers); LayerNorm 0.0410 / 0.0742 / 0.1509 / 0.2993 / 0.5742
   // (two runs of the 15:4x build, which spilled 24 bytes: 0.0427-0.0429 / 0.0769-0.0770 /
-  // 0.1524-0.1531 / 0.3031-0.3036 / 0.6152-0.6289).
+  // 0.1524-0.1531 / 0.3031-0.3036 / 0.6152-0.6289). H=4096 now runs 4 vectors by default
+  // (fwd_mid_pt16), so its figures here are those of fwd_mid_pt16=0.
   int fwd_r80 = 3;
   // The 16-bit backward's ring at 2 vectors a thread and rows of up to 256 threads (not
   // memory_efficient) through bwd_ring_r80 (__maxnreg__(80)): 1 LayerNorm, 2 RMSNorm, 3 both, 0
@@ -1222,12 +1227,15 @@ struct Tune {
   // vector); 0: the general one.
   int bwd_lean = 1;
   // The 16-bit forward on rows of 257-512 vectors (2048 < H <= 4096), both norms: vectors per
-  // thread (0: fwd_pt16), so H=4096 runs rows of 128 threads at 4 vectors through fwd_fast's LEAN
-  // variant, not 64 at 8 through fwd_fast_r80. Measured on an H200 (2026-12-04 20:1x, ours only,
-  // bf16 fwd ms, fwd_pt16=4 / 8 in two runs each): H=4096 RMSNorm 0.1320, 0.1322 / 0.1362, 0.1363,
-  // LayerNorm 0.1450, 0.1451 / 0.1495, 0.1501; not elsewhere: H=2048 LayerNorm 0.0741, 0.0750 /
-  // 0.0732, 0.0732 (RMSNorm the same), H=8192 LayerNorm 0.2952, 0.2926 / 0.2873, 0.2874 (RMSNorm
-  // 0.2612, 0.2611 / 0.2624, 0.2623), H=16384 RMSNorm 0.5584, 0.5602 / 0.5142, 0.5138.
+  // thread (0: fwd_pt16), so H=4096 runs rows of 128 threads at 4 vectors (through fwd_fast's
+  // LEAN variant where weight, bias and output share the input's dtype), not 64 at 8 (through
+  // fwd_fast_r80). Measured on an H200 (2026-12-04 20:1x, ours only, bf16 fwd ms, fwd_pt16=4 / 8,
+  // two runs each in run order): H=4096 RMSNorm 0.1320, 0.1322 / 0.1363, 0.1362, LayerNorm 0.1450,
+  // 0.1451 / 0.1501, 0.1495; again at 20:2x (fwd_mid_pt16=4 / 0): RMSNorm 0.1326, 0.1332 /
+  // 0.1369, 0.1363, LayerNorm 0.1439, 0.1437 / 0.1500, 0.1491. Within 0.5 % or slower elsewhere:
+  // H=2048 LayerNorm 0.0741, 0.0750 / 0.0732, 0.0732 (RMSNorm takes rms_short_pt16 under both);
+  // H=8192 LayerNorm 0.2952, 0.2926 / 0.2873, 0.2874, RMSNorm 0.2612, 0.2611 / 0.2624, 0.2623;
+  // H=16384 RMSNorm 0.5584, 0.5602 / 0.5142, 0.5138.
   int fwd_mid_pt16 = 4;
 };
 
@@ -1587,11 +1595,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
               }
               launch(bwd_ring<Tx, NV, RMS, false, L>, true);
             };
-            // Rows of 1-2 vectors, and RMSNorm's 4-vector rows of 512 threads (H=16384): at 4
-            // vectors LEAN measured slower elsewhere (H200 18:1x, fwd+bwd ms, LEAN / general:
-            // RMSNorm H=8192 at 80 registers 0.853 / 0.714-0.719, LayerNorm H=8192 0.926 /
-            // 0.865-0.869, H=16384 1.923 / 1.840-1.844) but for those rows: 1.390-1.395 /
-            // 1.416-1.451, and again at 19:5x (with colsum's new shape): 1.4404, 1.4198 /
+            // Rows of 1-2 vectors, and RMSNorm's 4-vector rows of 512 threads (8192 < H <=
+            // 16384; measured at 16384): at 4 vectors LEAN measured slower elsewhere (H200
+            // 18:1x, fwd+bwd ms, LEAN / general: RMSNorm H=8192 at 80 registers 0.853 /
+            // 0.714-0.719, LayerNorm H=8192 0.926 / 0.865-0.869, H=16384 1.923 / 1.840-1.844)
+            // but for those rows: 1.390-1.395 / 1.416-1.451. In the 19:5x A/B against 303a4bf
+            // (LEAN with the new colsum / the general ring with the old): 1.4404, 1.4198 /
             // 1.4727, 1.4443.
             if constexpr (NV <= 2 || RMS) {
               if (lean && (NV <= 2 || c.tx > 256)) return plain(std::true_type{});
