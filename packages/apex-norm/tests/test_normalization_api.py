@@ -312,6 +312,41 @@ def test_compile_fullgraph_matches_eager():
 
 
 @pytest.mark.slow
+@needs_function_size_args
+@pytest.mark.skipif(
+    not hasattr(torch._dynamo.config, "compiled_autograd"),
+    reason="this torch has no torch._dynamo.config.compiled_autograd",
+)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_autograd_matches_eager(device):
+    """Compiled autograd (the backward traced into a graph as well, through the ops' registered
+    autograd): the same input and parameter gradients as eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _Block().to(device)
+    x = make((4, 8, 32), torch.float32, device, requires_grad=True)
+    params = [x, *model.parameters()]
+
+    def step(x):
+        out = model(x)
+        out.sum().backward()
+        return out
+
+    eager = step(x)
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    counters.clear()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        out = torch.compile(step, backend="aot_eager")(x)
+    assert counters["compiled_autograd"]["captures"] == 1  # the backward was captured, once
+    torch.testing.assert_close(out, eager)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)
+
+
+@pytest.mark.slow
 def test_compile_matches_eager():
     """Without fullgraph, on every torch: torch 2.3 breaks the graph at the autograd Functions,
     runs them eagerly and compiles their forward as a frame of its own (which failed on 2.3
