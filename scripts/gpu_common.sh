@@ -23,8 +23,11 @@ compile_only() {
   use_sources
 }
 
+# sources_of DIR: the PYTHONPATH of every package's sources in the tree at DIR.
+sources_of() { ls -d "$1"/packages/*/src | paste -sd: -; }
+
 # PYTHONPATH on every package's sources, for what follows.
 use_sources() {
-  PYTHONPATH=$(ls -d "$ROOT"/packages/*/src | paste -sd: -)
+  PYTHONPATH=$(sources_of "$ROOT")
   export PYTHONPATH
 }

@@ -38,7 +38,7 @@ if [ -n "${BASE:-}" ]; then
   # hold its kernels too (the base an earlier run's tree).
   mkdir -p /tmp/apex-cache-base
   [ -n "${CACHE_IN:-}" ] && [ -f "$CACHE_IN" ] && tar xzf "$CACHE_IN" -C /tmp/apex-cache-base
-  (APEX_CACHE_DIR=/tmp/apex-cache-base PYTHONPATH=$(ls -d "$BASE"/packages/*/src | paste -sd: -) timeout 400 python3 -c \
+  (APEX_CACHE_DIR=/tmp/apex-cache-base PYTHONPATH=$(sources_of "$BASE") timeout 400 python3 -c \
     "import torch; from apex.normalization import FusedRMSNorm; m = FusedRMSNorm(8).cuda(); m(torch.ones(2, 8, device='cuda'))" \
     > "$OUT/base_compile.log" 2>&1; echo "base compile rc=$?" >> "$OUT/base_compile.log") &
 fi
@@ -98,11 +98,15 @@ fi
 if [ -n "${BASE:-}" ]; then
   wait
   tail -1 "$OUT/base_compile.log"
-  # The label is the sweep's setting: no '=', so APEX_NORM_TUNE leaves every knob at its default.
+  # ab TREE LABEL I: TREE's norm_sweep.sh into $OUT/ab_I_LABEL.txt. The label is the sweep's
+  # setting: no '=', so APEX_NORM_TUNE leaves every knob at its default.
+  ab() {
+    SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 timeout 120 \
+      bash "$1/scripts/norm_sweep.sh" "$2" > "$OUT/ab_${3}_$2.txt" 2>&1
+  }
   for i in 1 2; do
-    SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 APEX_CACHE_DIR=/tmp/apex-cache-base timeout 120 \
-      bash "$BASE/scripts/norm_sweep.sh" base > "$OUT/ab_${i}_base.txt" 2>&1
-    SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 timeout 120 bash scripts/norm_sweep.sh new > "$OUT/ab_${i}_new.txt" 2>&1
+    APEX_CACHE_DIR=/tmp/apex-cache-base ab "$BASE" base "$i"
+    ab "$ROOT" new "$i"
   done
   grep -h " ms " "$OUT"/ab_*.txt | sort -b -k2,2 -k3,3 -s
   rm -rf "$OUT/sweep"

@@ -21,6 +21,14 @@ LOW = [torch.float16, torch.bfloat16]
 # rows (the prefetch of the next row, statistics carried across iterations, gradient sums over
 # many rows): the CUDA many-row tests of both norms.
 MANY_ROWS = [(64, 30011), (1024, 6007), (4096, 8009), (16384, 1031)]
+
+# Hidden sizes of the CUDA tests of both norms. 8, 64, 256, 520, 1024: the forward's row groups
+# narrower than a warp (1 to 16 threads a row; 520's last vectors past the row). 3080: 16-bit
+# forward rows of 4 vectors a thread (2048 < H <= 4096) whose last vectors are past the row.
+# 12288: 16-bit backward rows of 4 vectors a thread (rows of 512 threads) whose last vectors are
+# partly past the row (LayerNorm's ring with its bias sums in shared memory, RMSNorm's LEAN ring).
+CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 3080, 4104, 8192, 12288, 16384, 32768,
+          65536, 65539]  # fmt: skip
 DTYPES = [torch.float32, *LOW]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from norm_testing import (
+    CUDA_H,
     DTYPES,
     LOW,
     MANY_ROWS,
@@ -264,12 +265,6 @@ def test_reference_statistics_are_per_row_float32():
 
 # -- CUDA: the kernels against the reference and against torch ---------------------------------
 
-# 12288: 16-bit rows of 4 vectors a thread whose last vectors are partly past the row (bwd_ring
-# with its bias sums in shared memory). 8, 64, 256, 520, 1024: the forward's row groups narrower
-# than a warp (1 to 16 threads a row; 520's last vectors past the row).
-CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 3080, 4104, 8192, 12288, 16384, 32768,
-          65536, 65539]  # fmt: skip
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("H", CUDA_H)
@@ -319,11 +314,10 @@ def test_cuda_weight_and_bias_gradients_repeat_bit_for_bit(norm, H, rows):
     then column sums): two backward passes of the same call give the same bits."""
     x = make((rows, H), torch.bfloat16, "cuda", requires_grad=True, scale=2.0, shift=0.5)
     w, b = param((H,), torch.bfloat16, "cuda"), param((H,), torch.bfloat16, "cuda")
-    params = [w] if norm == "rms" else [w, b]
     if norm == "rms":
-        y = fused_rms_norm_affine(x, w, (H,), 1e-5)
+        y, params = fused_rms_norm_affine(x, w, (H,), 1e-5), [w]
     else:
-        y = fused_layer_norm_affine(x, w, b, (H,), 1e-5)
+        y, params = fused_layer_norm_affine(x, w, b, (H,), 1e-5), [w, b]
     dy = torch.randn_like(y)
     first = torch.autograd.grad(y, params, dy, retain_graph=True)
     second = torch.autograd.grad(y, params, dy)

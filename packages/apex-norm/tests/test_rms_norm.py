@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from norm_testing import (
+    CUDA_H,
     DTYPES,
     LOW,
     MANY_ROWS,
@@ -179,9 +180,6 @@ def test_manual_rms_norm_matches_torch():
 
 
 # -- CUDA ----------------------------------------------------------------------------------------
-
-CUDA_H = [1, 7, 8, 64, 100, 256, 520, 1000, 1024, 2048, 3080, 4104, 8192, 12288, 16384, 32768,
-          65536, 65539]  # fmt: skip
 
 
 @pytest.mark.cuda

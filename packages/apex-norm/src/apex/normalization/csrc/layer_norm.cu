@@ -1365,6 +1365,17 @@ const void* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr() : nullptr;
 }
 
+// The forward's vectors a thread (pick's per_thread): fwd_pt for float32; for 16-bit input
+// fwd_pt16, but rms_short_pt16 for RMSNorm's rows of at most 256 vectors (H <= 2048) and
+// fwd_mid_pt16 for rows of 257-512 (2048 < H <= 4096), each where its knob is not 0.
+int fwd_per_thread(int64_t H, bool rms, bool sixteen_bit) {
+  const Tune& t = tune();
+  if (!sixteen_bit) return t.fwd_pt;
+  if (rms && H <= 256 * kVec && t.rms_short_pt16 > 0) return t.rms_short_pt16;
+  if (H > 256 * kVec && H <= 512 * kVec && t.fwd_mid_pt16 > 0) return t.fwd_mid_pt16;
+  return t.fwd_pt16;
+}
+
 template <bool RMS>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
     const char* op, const at::Tensor& input_, const std::optional<at::Tensor>& weight_,
@@ -1403,16 +1414,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             static_cast<float>(eps), wt, yt, tune().ln_one_pass > 0};
   const bool aligned = vec_aligned(input) && vec_aligned(out) && (!weight || vec_aligned(*weight)) &&
                        (!bias || vec_aligned(*bias));
-  // 16-bit RMSNorm rows of at most 256 vectors (H <= 2048) at rms_short_pt16 vectors a thread.
-  int per_thread = input.element_size() == 2 ? tune().fwd_pt16 : tune().fwd_pt;
-  if (RMS && input.element_size() == 2 && H <= 256 * kVec && tune().rms_short_pt16 > 0) {
-    per_thread = tune().rms_short_pt16;
-  }
-  // 16-bit rows of 257-512 vectors (2048 < H <= 4096) at fwd_mid_pt16 vectors a thread.
-  if (input.element_size() == 2 && H > 256 * kVec && H <= 512 * kVec && tune().fwd_mid_pt16 > 0) {
-    per_thread = tune().fwd_mid_pt16;
-  }
-  const Config c = pick(H, aligned, 8, per_thread, 1);
+  const Config c = pick(H, aligned, 8, fwd_per_thread(H, RMS, input.element_size() == 2), 1);
   const dim3 block(c.tx, c.ty);
   const int64_t row_blocks = (rows + c.ty - 1) / c.ty;
   auto stream = c10::cuda::getCurrentCUDAStream();
