@@ -19,7 +19,7 @@
 #                earlier commit's: `git archive REV packages scripts | tar x -C .gl/base`, carried)
 #                against this one, alternating, in the same run (bf16, every H, both passes);
 #                its kernels compile in the background while the tests run (AB_PASSES=fwd+bwd:
-#                that pass only)
+#                that pass only; AB_NEW="knob=v,...": this tree under that APEX_NORM_TUNE)
 # Everything under $OUT (bench.tgz holds the benchmark tables).
 #   CACHE_IN=.gl/cache.tgz HOST=1 BENCH=1 OUT=dir bash scripts/gpu_norm.sh
 source "$(dirname "$0")/gpu_common.sh"
@@ -98,15 +98,16 @@ fi
 if [ -n "${BASE:-}" ]; then
   wait
   tail -1 "$OUT/base_compile.log"
-  # ab TREE LABEL I: TREE's norm_sweep.sh into $OUT/ab_I_LABEL.txt. The label is the sweep's
-  # setting: no '=', so APEX_NORM_TUNE leaves every knob at its default.
+  # ab TREE LABEL I: TREE's norm_sweep.sh into $OUT/ab_I_LABEL.txt ('=' and ',' as '_': the
+  # device's copy-back drops such names). The label is the sweep's setting: "base" and "new"
+  # hold no '=', so APEX_NORM_TUNE leaves every knob at its default; AB_NEW's knobs apply.
   ab() {
     SWEEP_PASSES=${AB_PASSES:-fwd,fwd+bwd} SWEEP_H=1024,2048,4096,8192,16384 timeout 120 \
-      bash "$1/scripts/norm_sweep.sh" "$2" > "$OUT/ab_${3}_$2.txt" 2>&1
+      bash "$1/scripts/norm_sweep.sh" "$2" > "$OUT/ab_${3}_${2//[=,]/_}.txt" 2>&1
   }
   for i in 1 2; do
     APEX_CACHE_DIR=/tmp/apex-cache-base ab "$BASE" base "$i"
-    ab "$ROOT" new "$i"
+    ab "$ROOT" "${AB_NEW:-new}" "$i"
   done
   grep -h " ms " "$OUT"/ab_*.txt | sort -b -k2,2 -k3,3 -s
   rm -rf "$OUT/sweep"

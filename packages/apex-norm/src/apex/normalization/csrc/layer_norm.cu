@@ -199,7 +199,9 @@ __device__ __forceinline__ void reconvert(Pack<T>& pk) {
 // Sums over the row group, one barrier per call: the partials of call k go to slot k % 2, and the
 // barrier of call k + 1 stands between the reads of call k and the writes of call k + 2. Every
 // thread of the block must make the same calls (rows past the end pass zeros). A group of a warp
-// or less (blockDim.x <= 32) sums with shuffles alone.
+// or less (blockDim.x <= 32) sums with shuffles alone. BUTTERFLY: how the warps' partials are
+// added (below): LayerNorm's backward takes it, RMSNorm's backward and both forwards keep the loop.
+template <bool BUTTERFLY>
 struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
   int parity;
@@ -230,10 +232,34 @@ struct GroupSum {
       if constexpr (K == 2) s[threadIdx.x >> 5].y = v.y;
     }
     __syncthreads();
+    const int nw = int(blockDim.x >> 5);
+    if constexpr (BUTTERFLY) {
+      // Each aligned run of nw lanes (nw, the group's warps, a power of two: see pick) reads the
+      // nw partials and sums them by an xor butterfly: one slot read and log2(nw) shuffle steps,
+      // not nw - 1 slot reads and adds in a loop. Every lane adds the same pairs (a + b == b +
+      // a): the same bits in every thread of the group. Measured on an H200 (21:4x, as a run-time
+      // knob, one build, bf16 fwd+bwd ms, butterfly / loop, two runs each): LayerNorm H = 4096 /
+      // 8192 / 16384 0.3902, 0.3924 / 0.8162, 0.8205 / 1.8330, 1.8363 against 0.3972, 0.4003 /
+      // 0.8310, 0.8346 / 1.8943, 1.8958; RMSNorm within 1 % but at H=16384 (1.3811, 1.3790
+      // against 1.4016, 1.3998); the forwards the same within noise. The run-time knob itself
+      // cost registers (RMSNorm's short-row forward 40 to 50) and RMSNorm's backward at H <=
+      // 2048 was slower in that build under either setting, so only the kernels measured to gain
+      // take it, at compile time: the others keep their SASS of before (nvcc 13.0, sm_90), and
+      // the forwards would pay registers for it (LayerNorm's fwd_fast_r80 at 8 vectors spilled
+      // 12 bytes).
+      float2 t = s[(threadIdx.x & 31) & (nw - 1)];
+#pragma unroll
+      for (int o = 1; o < kMaxWarps; o <<= 1) {
+        if (o >= nw) break;
+        t.x += __shfl_xor_sync(0xffffffffu, t.x, o);
+        if constexpr (K == 2) t.y += __shfl_xor_sync(0xffffffffu, t.y, o);
+      }
+      return t;
+    }
     float2 t = v;
     t.x = s[0].x;
     if constexpr (K == 2) t.y = s[0].y;
-    for (int w = 1; w < int(blockDim.x >> 5); ++w) {
+    for (int w = 1; w < nw; ++w) {
       t.x += s[w].x;
       if constexpr (K == 2) t.y += s[w].y;
     }
@@ -304,7 +330,7 @@ template <typename Tx, int NV, bool RMS, bool LEAN>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
-  GroupSum gsum{reinterpret_cast<float2*>(slots), 0};
+  GroupSum<false> gsum{reinterpret_cast<float2*>(slots), 0};
   const int64_t nvec = a.H / kVec;
   const float inv_h = 1.f / static_cast<float>(a.H);
   const int64_t G = int64_t(gridDim.x) * blockDim.y;
@@ -525,7 +551,7 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 // (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a barrier
 // inside); `live`: the row exists.
 template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Src, typename Acc>
-__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum& gsum, Src&& src, float muc,
+__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum<!RMS>& gsum, Src&& src, float muc,
                                         float rc, int64_t row, bool live, Acc&& acc) {
   const int64_t nvec = a.H / kVec;
   const float inv_h = 1.f / static_cast<float>(a.H);
@@ -615,7 +641,7 @@ template <typename Tx, int NV, bool RMS, bool PF, bool ME>
 __global__ void __launch_bounds__(kMaxTX) bwd_fast(BwdArgs a) {
   __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
   extern __shared__ float acc[];  // [RMS ? 1 : 2][NV * kVec][threads], when part_w is set
-  GroupSum gsum{slots, 0};
+  GroupSum<!RMS> gsum{slots, 0};
   const int64_t nvec = a.H / kVec;
   const bool need_mu = !RMS && !ME;
   const bool sums = a.part_w != nullptr;
@@ -778,7 +804,7 @@ __device__ __forceinline__ void cp_async_wait(int n) {
 
 // The ring's layout in dynamic shared memory: data [S][2 (input, grad_output)][NV * C][threads]
 // of 16 bytes (C = 16-byte chunks per vector), then statistics [S][2 (rstd, mean)][threads]
-// floats, then (ring_bias_in_smem) the bias sums [NV * kVec][threads] floats.
+// floats, then (ring_bias_in_smem) the bias sums [NV * kVec / 4][threads] float4s.
 template <typename Tx>
 __host__ __device__ constexpr int chunks_of() {
   return int(sizeof(Pack<Tx>) / 16);
@@ -799,7 +825,7 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   constexpr int C = chunks_of<Tx>();
   __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
   extern __shared__ __align__(16) float dyn[];
-  GroupSum gsum{slots, 0};
+  GroupSum<!RMS> gsum{slots, 0};
   const int64_t nvec = a.H / kVec;
   const bool need_mu = !RMS && !ME;
   const bool sums = a.part_w != nullptr;
@@ -808,13 +834,21 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   uint4* ring = reinterpret_cast<uint4*>(dyn);
   float* stat = reinterpret_cast<float*>(ring + size_t(S) * 2 * NV * C * nthreads);
-  float* acc_bs = stat + size_t(S) * 2 * nthreads + tid;  // kBS: element i at [i * nthreads]
+  // kBS: elements 4q..4q+3 as one float4 at [q * nthreads]: one 16-byte read-modify-write for
+  // four sums, not four of 4 bytes (bf16 LayerNorm at 4 vectors: 332 LDS and 57 STS in the SASS
+  // against 492 and 225, 9200 instructions against 10200). Measured on an H200 (21:4x, one run,
+  // in a build that also held a run-time knob, with the loop group sums, against the commit
+  // before, bf16 fwd+bwd ms, two runs each): H=8192 0.8372, 0.8363 against 0.8706, 0.8688, but
+  // H=16384 1.8987, 1.8985 against 1.8551, 1.8553. With the butterfly group sums (see
+  // GroupSum), as here, 1.8330, 1.8363 at H=16384, so kept for both; a per-width choice is
+  // still to be measured in one build.
+  float4* acc_bs = reinterpret_cast<float4*>(stat + size_t(S) * 2 * nthreads) + tid;
   float acc_w[NV * kVec], acc_b[RMS || kBS ? 1 : NV * kVec];
 #pragma unroll
   for (int i = 0; i < NV * kVec; ++i) {
     acc_w[i] = 0.f;
     if constexpr (kBS) {
-      if (sum_b) acc_bs[i * nthreads] = 0.f;
+      if (sum_b && i % 4 == 0) acc_bs[(i / 4) * nthreads] = make_float4(0.f, 0.f, 0.f, 0.f);
     } else if (!RMS) {
       acc_b[i] = 0.f;
     }
@@ -865,10 +899,19 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     };
     const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
+    float bq[4];  // kBS: grad_output of the quad being summed (i is a constant: registers)
     bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
       if constexpr (kBS) {
-        if (sum_b) acc_bs[i * nthreads] += dy;
+        bq[i % 4] = dy;
+        if (sum_b && i % 4 == 3) {  // bwd_row calls acc for all kVec elements of a vector
+          float4 v = acc_bs[(i / 4) * nthreads];
+          v.x += bq[0];
+          v.y += bq[1];
+          v.z += bq[2];
+          v.w += bq[3];
+          acc_bs[(i / 4) * nthreads] = v;
+        }
       } else if (!RMS) {
         acc_b[i] += dy;
       }
@@ -884,8 +927,12 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         w[e] = acc_w[k * kVec + e];
-        if constexpr (kBS) b[e] = sum_b ? acc_bs[(k * kVec + e) * nthreads] : 0.f;
-        else b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
+        if constexpr (kBS) {
+          const float4 q = sum_b ? acc_bs[((k * kVec + e) / 4) * nthreads] : make_float4(0.f, 0.f, 0.f, 0.f);
+          b[e] = e % 4 == 0 ? q.x : e % 4 == 1 ? q.y : e % 4 == 2 ? q.z : q.w;
+        } else {
+          b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
+        }
       }
       store_partials(a, group, j, w, b, sum_b);
     }
