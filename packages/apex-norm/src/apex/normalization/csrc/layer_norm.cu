@@ -200,7 +200,8 @@ __device__ __forceinline__ void reconvert(Pack<T>& pk) {
 // barrier of call k + 1 stands between the reads of call k and the writes of call k + 2. Every
 // thread of the block must make the same calls (rows past the end pass zeros). A group of a warp
 // or less (blockDim.x <= 32) sums with shuffles alone. BUTTERFLY: how the warps' partials are
-// added (below): LayerNorm's backward takes it, RMSNorm's backward and both forwards keep the loop.
+// added (below): LayerNorm's backward takes it, RMSNorm's backward and both forwards keep the
+// loop (their SASS that of before it).
 template <bool BUTTERFLY>
 struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
@@ -234,20 +235,16 @@ struct GroupSum {
     __syncthreads();
     const int nw = int(blockDim.x >> 5);
     if constexpr (BUTTERFLY) {
-      // Each aligned run of nw lanes (nw, the group's warps, a power of two: see pick) reads the
-      // nw partials and sums them by an xor butterfly: one slot read and log2(nw) shuffle steps,
-      // not nw - 1 slot reads and adds in a loop. Every lane adds the same pairs (a + b == b +
-      // a): the same bits in every thread of the group. Measured on an H200 (21:4x, as a run-time
-      // knob, one build, bf16 fwd+bwd ms, butterfly / loop, two runs each): LayerNorm H = 4096 /
-      // 8192 / 16384 0.3902, 0.3924 / 0.8162, 0.8205 / 1.8330, 1.8363 against 0.3972, 0.4003 /
-      // 0.8310, 0.8346 / 1.8943, 1.8958; RMSNorm within 1 % but at H=16384 (1.3811, 1.3790
-      // against 1.4016, 1.3998); the forwards the same within noise. The run-time knob itself
-      // cost registers (RMSNorm's short-row forward 40 to 50) and RMSNorm's backward at H <=
-      // 2048 was slower in that build under either setting, so only the kernels measured to gain
-      // take it, at compile time: the others keep their SASS of before (nvcc 13.0, sm_90), and
-      // the forwards would pay registers for it (LayerNorm's fwd_fast_r80 at 8 vectors spilled
-      // 12 bytes).
-      float2 t = s[(threadIdx.x & 31) & (nw - 1)];
+      // Each aligned run of nw lanes (nw, the group's warps, a power of two: the host's pick()
+      // doubles tx from 32, and bwd_impl asserts it) reads the nw partials and sums them by an
+      // xor butterfly: one slot read and log2(nw) shuffle steps, not nw - 1 slot reads and adds
+      // in a loop. Every lane adds the same pairs (a + b == b + a): the same bits in every
+      // thread of the group. Measured (H200, 12-04 21:4x) in bf16 LayerNorm's backward only;
+      // the forwards would pay registers for it. See benchmarks/NOTES.md, section of 21:3x.
+      const float2& m = s[(threadIdx.x & 31) & (nw - 1)];
+      float2 t;
+      t.x = m.x;
+      if constexpr (K == 2) t.y = m.y;
 #pragma unroll
       for (int o = 1; o < kMaxWarps; o <<= 1) {
         if (o >= nw) break;
@@ -835,13 +832,10 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   uint4* ring = reinterpret_cast<uint4*>(dyn);
   float* stat = reinterpret_cast<float*>(ring + size_t(S) * 2 * NV * C * nthreads);
   // kBS: elements 4q..4q+3 as one float4 at [q * nthreads]: one 16-byte read-modify-write for
-  // four sums, not four of 4 bytes (bf16 LayerNorm at 4 vectors: 332 LDS and 57 STS in the SASS
-  // against 492 and 225, 9200 instructions against 10200). Measured on an H200 (21:4x, one run,
-  // in a build that also held a run-time knob, with the loop group sums, against the commit
-  // before, bf16 fwd+bwd ms, two runs each): H=8192 0.8372, 0.8363 against 0.8706, 0.8688, but
-  // H=16384 1.8987, 1.8985 against 1.8551, 1.8553. With the butterfly group sums (see
-  // GroupSum), as here, 1.8330, 1.8363 at H=16384, so kept for both; a per-width choice is
-  // still to be measured in one build.
+  // four sums, not four of 4 bytes (ptxas/cuobjdump, nvcc 13.0 sm_90, bf16: 332 LDS and 57 STS
+  // against 492 and 225). On an H200 (12-04 21:4x) it gained at H=8192 and lost ~2 % at H=16384
+  // (rows of 512 threads), in a build not this one; kept at both until a per-width choice is
+  // timed in one build. See benchmarks/NOTES.md, section of 21:3x.
   float4* acc_bs = reinterpret_cast<float4*>(stat + size_t(S) * 2 * nthreads) + tid;
   float acc_w[NV * kVec], acc_b[RMS || kBS ? 1 : NV * kVec];
 #pragma unroll
@@ -924,11 +918,12 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
     if (j < nvec) {
       float w[kVec], b[kVec];  // copied out by constant indices: the sums stay in registers
+      float4 q = make_float4(0.f, 0.f, 0.f, 0.f);  // kBS: the bias sums' quad of element e
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         w[e] = acc_w[k * kVec + e];
         if constexpr (kBS) {
-          const float4 q = sum_b ? acc_bs[((k * kVec + e) / 4) * nthreads] : make_float4(0.f, 0.f, 0.f, 0.f);
+          if (sum_b && e % 4 == 0) q = acc_bs[((k * kVec + e) / 4) * nthreads];
           b[e] = e % 4 == 0 ? q.x : e % 4 == 1 ? q.y : e % 4 == 2 ? q.z : q.w;
         } else {
           b[e] = RMS ? 0.f : acc_b[RMS ? 0 : k * kVec + e];
@@ -1569,6 +1564,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     if (fits) per_thread = tune().bwd_wide_pt16;
   }
   const Config c = pick(H, aligned, 4, per_thread, 32);
+  // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row.
+  TORCH_INTERNAL_ASSERT(c.nv == 0 || (c.tx >= 32 && (c.tx & (c.tx - 1)) == 0));
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
   const int device = xy.get_device();
