@@ -814,7 +814,7 @@ __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv *
 // would be more than 32 floats a thread.
 __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
   constexpr bool kBS = ring_bias_in_smem(NV, RMS);
@@ -835,13 +835,17 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   // four sums, not four of 4 bytes (ptxas/cuobjdump, nvcc 13.0 sm_90, bf16: 332 LDS and 57 STS
   // against 492 and 225). On an H200 (12-04 21:4x) it gained at H=8192 and lost ~2 % at H=16384
   // (rows of 512 threads), in a build not this one; kept at both until a per-width choice is
-  // timed in one build. See benchmarks/NOTES.md, section of 21:3x.
+  // timed in one build (QUADS false: one float per sum, element i at [i * nthreads]; Tune's
+  // bwd_bias4). See benchmarks/NOTES.md, section of 21:3x.
   float4* acc_bs = reinterpret_cast<float4*>(stat + size_t(S) * 2 * nthreads) + tid;
+  float* acc_b1 = stat + size_t(S) * 2 * nthreads + tid;
   float acc_w[NV * kVec], acc_b[RMS || kBS ? 1 : NV * kVec];
 #pragma unroll
   for (int i = 0; i < NV * kVec; ++i) {
     acc_w[i] = 0.f;
-    if constexpr (kBS) {
+    if constexpr (kBS && !QUADS) {
+      if (sum_b) acc_b1[i * nthreads] = 0.f;
+    } else if constexpr (kBS) {
       if (sum_b && i % 4 == 0) acc_bs[(i / 4) * nthreads] = make_float4(0.f, 0.f, 0.f, 0.f);
     } else if (!RMS) {
       acc_b[i] = 0.f;
@@ -896,7 +900,9 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     float bq[4];  // kBS: grad_output of the quad being summed (i is a constant: registers)
     bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
-      if constexpr (kBS) {
+      if constexpr (kBS && !QUADS) {
+        if (sum_b) acc_b1[i * nthreads] += dy;
+      } else if constexpr (kBS) {
         bq[i % 4] = dy;
         if (sum_b && i % 4 == 3) {  // bwd_row calls acc for all kVec elements of a vector
           float4 v = acc_bs[(i / 4) * nthreads];
@@ -922,7 +928,9 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         w[e] = acc_w[k * kVec + e];
-        if constexpr (kBS) {
+        if constexpr (kBS && !QUADS) {
+          b[e] = sum_b ? acc_b1[(k * kVec + e) * nthreads] : 0.f;
+        } else if constexpr (kBS) {
           if (sum_b && e % 4 == 0) q = acc_bs[((k * kVec + e) / 4) * nthreads];
           b[e] = e % 4 == 0 ? q.x : e % 4 == 1 ? q.y : e % 4 == 2 ? q.z : q.w;
         } else {
@@ -934,15 +942,15 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true>
 __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS>(a);
 }
 
 // bwd_ring at 80 registers (see Tune's bwd_r80).
 template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1279,6 +1287,12 @@ struct Tune {
   // H=8192 LayerNorm 0.2952, 0.2926 / 0.2873, 0.2874, RMSNorm 0.2612, 0.2611 / 0.2624, 0.2623;
   // H=16384 RMSNorm 0.5584, 0.5602 / 0.5142, 0.5138.
   int fwd_mid_pt16 = 4;
+  // LayerNorm's 16-bit ring backward at 4 vectors a thread (H > 4096, bias sums in shared
+  // memory): 1 the bias sums as float4s (one 16-byte read-modify-write per four), 0 one float
+  // each, as before 4672dc4. Measured on an H200 (12-04 21:4x, in a build with a run-time knob
+  // for the group sums, not this one; bf16 fwd+bwd): -3.8 % at H=8192, +2.3 % at H=16384. To be
+  // timed per row width in one build: `SWEEP_SETTINGS="bwd_bias4=1 bwd_bias4=0 ..."`.
+  int bwd_bias4 = 1;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1296,7 +1310,7 @@ constexpr Knob kKnobs[] = {
     {"ln_one_pass", &Tune::ln_one_pass, 0, kAny}, {"fwd_r80", &Tune::fwd_r80, 0, kAny},
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
-    {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny},
+    {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1630,6 +1644,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         constexpr bool kFast = !kRing || ring_bias_in_smem(NV, RMS);
         if constexpr (kRing) {
           if (packed && ring) {
+            // LayerNorm's 4-vector ring with its bias sums one float each (Tune's bwd_bias4).
+            if constexpr (ring_bias_in_smem(NV, RMS)) {
+              if (tune().bwd_bias4 == 0) {
+                return memory_efficient ? launch(bwd_ring<Tx, NV, RMS, true, false, false>, true)
+                                        : launch(bwd_ring<Tx, NV, RMS, false, false, false>, true);
+              }
+            }
             if (memory_efficient) return launch(bwd_ring<Tx, NV, RMS, true, false>, true);
             // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
             auto plain = [&](auto lean_tag) {
