@@ -67,9 +67,14 @@ say "compile wall: $((SECONDS - T0)) s"
 if [ $rc -ne 0 ]; then say "COMPILE FAILED (rc=$rc); see compile.log"; tail -50 "$OUT/compile.log"; fi
 say "== load from cache (second process)"
 $PY -c "$LOAD" 2>&1 | tee -a "$SUMMARY"
-# The finished libraries and their markers only (no object files), for CACHE_IN next time.
-(cd "$APEX_CACHE_DIR" && find . -name '*.so' -o -name build.json | tar czf "$OUT/cache.tgz" -T -) \
-  && say "cache saved: $(du -h "$OUT/cache.tgz" | cut -f1)"
+# The finished libraries and their markers only (no object files), for CACHE_IN next time: only
+# the builds this run loaded (compile.log names each one's path), not those restored from CACHE_IN
+# for other sources (with them the archive grew past the 16 MiB a file the device sends back).
+LOADED=$(grep -oE "\($APEX_CACHE_DIR/[^/]+/" "$OUT/compile.log" | sed -E "s|^\($APEX_CACHE_DIR/||; s|/\$||" | sort -u)
+[ -n "$LOADED" ] || LOADED=.
+# shellcheck disable=SC2086  # one folder per word
+(cd "$APEX_CACHE_DIR" && find $LOADED \( -name '*.so' -o -name build.json \) | tar czf "$OUT/cache.tgz" -T -) \
+  && say "cache saved: $(du -h "$OUT/cache.tgz" | cut -f1) ($(echo $LOADED | wc -w) builds)"
 
 if [ "${PROVE_LOCK:-0}" = 1 ]; then
   say "== 8 processes started together, fresh cache"
