@@ -206,6 +206,101 @@ def test_weight_on_another_device():
         fln.fused_rms_norm_affine(torch.randn(2, 4), w, (4,))
 
 
+def test_bad_arguments_are_runtime_errors_too():
+    """apex's checks (TORCH_CHECK) and torch's layer_norm raise RuntimeError, and code written
+    against them catches that: ours are ValueError / TypeError and RuntimeError at once."""
+    with pytest.raises(RuntimeError, match="does not match the trailing dimensions"):
+        norm.FusedLayerNorm(5)(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match=r"weight has shape \[3\]"):
+        fln.fused_layer_norm_affine(torch.randn(2, 4), torch.ones(3), torch.zeros(4), (4,))
+    with pytest.raises(RuntimeError, match="input has dtype torch.int64"):
+        norm.FusedRMSNorm(4)(torch.arange(8).reshape(2, 4))
+    with pytest.raises(RuntimeError, match="normalized_shape must be an int"):
+        importlib.import_module("fused_layer_norm_cuda").forward(torch.randn(2, 4), "4", 1e-5)
+    assert issubclass(ops.NormValueError, ValueError) and issubclass(ops.NormTypeError, TypeError)
+
+
+# -- other devices, torch.func, forward-mode AD, apex's module global ---------------------------
+
+
+def test_meta_tensors_give_shapes_and_dtypes():
+    """As apex's modules (which hand non-CUDA input to torch) and torch's norms: meta input in,
+    meta output of the right shape and dtype out, from every module and functional form."""
+    x = torch.empty(2, 3, 16, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(16, device="meta", dtype=torch.float32)
+    for m in (norm.FusedLayerNorm(16), norm.FusedRMSNorm(16)):
+        y = m.to("meta")(x)
+        assert (y.device.type, y.shape, y.dtype) == ("meta", x.shape, torch.bfloat16)
+    for m in (norm.MixedFusedLayerNorm(16), norm.MixedFusedRMSNorm(16)):
+        y = m.to("meta")(x)
+        assert (y.device.type, y.shape, y.dtype) == ("meta", x.shape, torch.float32)
+    for y in (
+        fln.fused_layer_norm(x, (16,)),
+        fln.fused_rms_norm(x, (16,)),
+        fln.fused_layer_norm_affine(x, w, w, (16,)),
+        fln.fused_rms_norm_affine(x, w, (16,)),
+    ):
+        assert (y.device.type, y.shape, y.dtype) == ("meta", x.shape, torch.bfloat16)
+
+
+def _torch_norm(kind, x, w, b):
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    return rms_norm(x, (x.shape[-1],), w, 1e-5)
+
+
+def _ours(kind, x, w, b):
+    if kind == "layer":
+        return fln.fused_layer_norm_affine(x, w, b, (x.shape[-1],), 1e-5)
+    return fln.fused_rms_norm_affine(x, w, (x.shape[-1],), 1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_torch_func_transforms_and_forward_ad_match_torch(device, kind):
+    """vmap, grad, jacrev, jvp and forward_ad dual tensors through the functional forms and the
+    modules (the autograd Functions have no rules for them; the forms run the plain-torch math
+    there) give torch's own norm's results, in float64."""
+    f64 = torch.float64
+    x = make((3, 5, 8), f64, device)
+    w, b = param((8,), f64, device).detach(), param((8,), f64, device).detach()
+    t = make((3, 5, 8), f64, device)
+
+    def close(a, e):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10)
+
+    close(torch.func.vmap(lambda r: _ours(kind, r, w, b))(x), _torch_norm(kind, x, w, b))
+    mod = (norm.FusedLayerNorm(8) if kind == "layer" else norm.FusedRMSNorm(8)).to(device, f64)
+    want = _torch_norm(kind, x, mod.weight, getattr(mod, "bias", None)).detach()
+    close(torch.func.vmap(mod)(x), want)
+
+    def loss(fn):
+        return lambda xx, ww: (fn(kind, xx, ww, b) * t).sum()
+
+    close(torch.func.grad(loss(_ours), argnums=(0, 1))(x, w),
+          torch.func.grad(loss(_torch_norm), argnums=(0, 1))(x, w))  # fmt: skip
+    close(torch.func.jacrev(lambda r: _ours(kind, r, w, b))(x[0, 0]),
+          torch.func.jacrev(lambda r: _torch_norm(kind, r, w, b))(x[0, 0]))  # fmt: skip
+    close(torch.func.jvp(lambda r: _ours(kind, r, w, b), (x,), (t,))[1],
+          torch.func.jvp(lambda r: _torch_norm(kind, r, w, b), (x,), (t,))[1])  # fmt: skip
+    fwAD = torch.autograd.forward_ad
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(_ours(kind, fwAD.make_dual(x, t), w, b)).tangent
+        want = fwAD.unpack_dual(_torch_norm(kind, fwAD.make_dual(x, t), w, b)).tangent
+    close(got, want)
+
+
+def test_module_global_fused_layer_norm_cuda():
+    """apex's module global: importable by name (None until a module is built, as in apex), then
+    the fused_layer_norm_cuda module; Megatron forks import it and load it themselves if None."""
+    from apex.normalization.fused_layer_norm import fused_layer_norm_cuda  # noqa: F401
+
+    norm.FusedRMSNorm(4)
+    assert fln.fused_layer_norm_cuda is importlib.import_module("fused_layer_norm_cuda")
+    out = fln.fused_layer_norm_cuda.rms_forward(torch.randn(2, 4), (4,), 1e-5)
+    assert out[0].shape == (2, 4)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_legacy_backward_without_mean_needs_memory_efficient(device):
     """LayerNorm's x-hat needs the mean unless it is recovered from the output."""

@@ -19,6 +19,7 @@ dtype, as apex does (torch's own ``F.layer_norm`` would return float32 there).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import numbers
 import warnings
 
@@ -48,6 +49,17 @@ __all__ = [
     "supports_custom_op",
 ]
 
+# apex's module global: None until the first module is built, then the ``fused_layer_norm_cuda``
+# module (here the top-level Python module over the apex_norm ops). Megatron forks import it by
+# this name and load it themselves while it is None.
+fused_layer_norm_cuda = None
+
+
+def _load_legacy_module() -> None:
+    global fused_layer_norm_cuda
+    if fused_layer_norm_cuda is None:
+        fused_layer_norm_cuda = importlib.import_module("fused_layer_norm_cuda")
+
 
 def supports_custom_op() -> bool:
     """As apex: whether this torch has ``torch.library.custom_op`` (torch >= 2.4)."""
@@ -57,12 +69,19 @@ def supports_custom_op() -> bool:
 # -- autocast ------------------------------------------------------------------------------------
 
 
+# torch >= 2.4 (where present): whether autocast knows the device type at all; asking
+# is_autocast_enabled about one it does not know (meta) raises.
+_autocast_available = getattr(torch.amp, "is_autocast_available", None)
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype when autocast is on for ``device_type``, else None."""
     # torch >= 2.4: is_autocast_enabled(device_type) and get_autocast_dtype(device_type). Detected
     # by attribute, not by catching the TypeError of 2.3's argument-less is_autocast_enabled():
     # under torch.compile, dynamo 2.3 raises that error as an InternalTorchDynamoError instead.
     if hasattr(torch, "get_autocast_dtype"):
+        if _autocast_available is not None and not _autocast_available(device_type):
+            return None
         if not torch.is_autocast_enabled(device_type):
             return None
         return torch.get_autocast_dtype(device_type)
@@ -243,9 +262,13 @@ class FusedRMSNormFunction(torch.autograd.Function):
         return gi, None, None, None
 
 
-# -- ONNX export -----------------------------------------------------------------------------------
-# The exporter has no ONNX function for the apex_norm ops: while exporting, the forms below run
-# the plain-torch reference math, which exports as standard ONNX operators.
+# -- the plain-torch math: ONNX export, torch.func transforms, forward-mode AD ------------------
+# The exporter has no ONNX function for the apex_norm ops, and the autograd Functions have no
+# vmap or jvp rule: there the forms below run the plain-torch reference math, which exports as
+# standard ONNX operators and which torch batches and differentiates in both modes (as apex's
+# CPU path, torch's own layer_norm, did).
+
+_dual_level = torch.autograd.forward_ad  # _current_level: -1 outside a forward-AD dual level
 
 
 def _exporting() -> bool:
@@ -255,12 +278,20 @@ def _exporting() -> bool:
     return torch.onnx.is_in_onnx_export()
 
 
-def _export_ln(input, weight, bias, normalized_shape, eps, mixed):
+def _plain_math() -> bool:
+    """In eager code under a torch.func transform (vmap, grad, jacrev, jvp, ...) or inside a
+    forward-mode AD dual level, or while exporting to ONNX."""
+    if torch.compiler.is_compiling():
+        return _exporting()
+    return _functorch_active() or _dual_level._current_level >= 0 or _exporting()
+
+
+def _plain_ln(input, weight, bias, normalized_shape, eps, mixed):
     shape, out_dtype = _checked(input, normalized_shape, weight, bias, mixed)
     return reference.layer_norm_fwd(input, weight, bias, shape, eps, False, out_dtype)[0]
 
 
-def _export_rms(input, weight, normalized_shape, eps, mixed):
+def _plain_rms(input, weight, normalized_shape, eps, mixed):
     shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
     return reference.rms_norm_fwd(input, weight, shape, eps, False, out_dtype)[0]
 
@@ -271,8 +302,8 @@ def _export_rms(input, weight, normalized_shape, eps, mixed):
 # (csrc/autograd.cpp), the same math as the autograd Functions above without a Python
 # autograd.Function per call (about 30 us of host time a forward+backward on an H200's host, which
 # at small rows was longer than the kernels). Everything else keeps the Functions: the CPU, float64
-# (the reference), torch.compile and tracing, functorch transforms, tensor subclasses, a bias whose
-# dtype is not the weight's.
+# (the reference), torch.compile and tracing, tensor subclasses, a bias whose dtype is not the
+# weight's; torch.func transforms and forward-mode AD take the plain-torch math (above).
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -289,14 +320,16 @@ def _eager_cuda(input, *params) -> bool:
         not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not _functorch_active()
+        and _dual_level._current_level < 0
         and ops.kernels_loaded()
     )
 
 
 def _layer_norm(input, weight, bias, normalized_shape, eps, memory_efficient, mixed, fn, args):
     """A functional LayerNorm form after autocast: the forward op straight away (eager CUDA; a
-    bias of another dtype than the weight takes the Function, which casts it), the reference math
-    (ONNX export), else ``fn.apply(*args)``, the autograd Function."""
+    bias of another dtype than the weight takes the Function, which casts it), the plain-torch
+    math (_plain_math: ONNX export, torch.func transforms, forward-mode AD), else
+    ``fn.apply(*args)``, the autograd Function."""
     if _eager_cuda(input, weight, bias) and (
         weight is None or bias is None or weight.dtype == bias.dtype
     ):
@@ -304,8 +337,8 @@ def _layer_norm(input, weight, bias, normalized_shape, eps, memory_efficient, mi
         return torch.ops.apex_norm.layer_norm_fwd.default(
             input, weight, bias, shape, eps, memory_efficient, out_dtype
         )[0]
-    if _exporting():
-        return _export_ln(input, weight, bias, normalized_shape, eps, mixed)
+    if _plain_math():
+        return _plain_ln(input, weight, bias, normalized_shape, eps, mixed)
     return fn.apply(*args)
 
 
@@ -316,8 +349,8 @@ def _rms_norm(input, weight, normalized_shape, eps, memory_efficient, mixed, fn,
         return torch.ops.apex_norm.rms_norm_fwd.default(
             input, weight, shape, eps, memory_efficient, out_dtype
         )[0]
-    if _exporting():
-        return _export_rms(input, weight, normalized_shape, eps, mixed)
+    if _plain_math():
+        return _plain_rms(input, weight, normalized_shape, eps, mixed)
     return fn.apply(*args)
 
 
@@ -416,6 +449,7 @@ class FusedLayerNorm(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
+        _load_legacy_module()  # as apex: the module global set once a module is built
         self.normalized_shape = _as_size(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -472,6 +506,7 @@ class FusedRMSNorm(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
+        _load_legacy_module()  # as apex: the module global set once a module is built
         self.normalized_shape = _as_size(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine

@@ -278,6 +278,17 @@ OPS.register_autograd("rms_norm_fwd", _rms_backward, _rms_setup)
 
 
 # -- argument checks ---------------------------------------------------------------------------
+# Bad arguments raise TypeError (a non-tensor, an unsupported dtype) or ValueError (shapes,
+# devices), each also a RuntimeError: apex's checks (TORCH_CHECK) and torch's own layer_norm raise
+# RuntimeError, and code written against them catches that.
+
+
+class NormTypeError(TypeError, RuntimeError):
+    """A norm's argument of the wrong type or dtype."""
+
+
+class NormValueError(ValueError, RuntimeError):
+    """A norm's argument of the wrong shape, size or device."""
 
 
 def _is_dim(d) -> bool:
@@ -303,11 +314,11 @@ def as_normalized_shape(normalized_shape) -> list[int]:
     elif isinstance(normalized_shape, Sequence) and all(_is_dim(d) for d in normalized_shape):
         shape = [_dim(d) for d in normalized_shape]
     else:
-        raise TypeError(
+        raise NormTypeError(
             f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
         )
     if not shape or any(d < 0 for d in shape):
-        raise ValueError(
+        raise NormValueError(
             f"normalized_shape must be non-empty with no negative size, got {normalized_shape!r}"
         )
     return shape
@@ -317,16 +328,16 @@ def _check_param(name: str, param, input: torch.Tensor, shape: list[int]) -> Non
     if param is None:
         return
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(param).__name__}")
+        raise NormTypeError(f"{name} must be a torch.Tensor or None, got {type(param).__name__}")
     if param.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {param.dtype}; supported: {_NAMES}")
+        raise NormTypeError(f"{name} has dtype {param.dtype}; supported: {_NAMES}")
     if list(param.shape) != shape:
-        raise ValueError(
+        raise NormValueError(
             f"{name} has shape {list(param.shape)} but normalized_shape is {shape}; "
             f"{name} must have shape normalized_shape"
         )
     if param.device != input.device:
-        raise ValueError(
+        raise NormValueError(
             f"{name} is on {param.device} but input is on {input.device}; "
             "they must be on one device"
         )
@@ -335,17 +346,17 @@ def _check_param(name: str, param, input: torch.Tensor, shape: list[int]) -> Non
 def validate(input, normalized_shape, weight=None, bias=None) -> list[int]:
     """Checks the arguments of a norm; returns normalized_shape as a list of ints.
 
-    TypeError for a non-tensor or an unsupported dtype, ValueError for shapes and devices; each
-    message names the argument.
+    NormTypeError (a TypeError) for a non-tensor or an unsupported dtype, NormValueError (a
+    ValueError) for shapes and devices, both RuntimeErrors too; each message names the argument.
     """
     if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+        raise NormTypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"input has dtype {input.dtype}; supported: {_NAMES}")
+        raise NormTypeError(f"input has dtype {input.dtype}; supported: {_NAMES}")
     shape = as_normalized_shape(normalized_shape)
     k = len(shape)
     if input.dim() < k or list(input.shape[input.dim() - k :]) != shape:
-        raise ValueError(
+        raise NormValueError(
             f"normalized_shape {shape} does not match the trailing dimensions of input with "
             f"shape {list(input.shape)}: expected input.shape[-{k}:] == {shape}"
         )
@@ -362,7 +373,8 @@ def output_dtype(
     - the Mixed* forms (Megatron's rule): the weight's dtype;
     - the others: the input's dtype, except float32 input with a float16 or bfloat16 weight,
       which gives the weight's dtype (what HF T5LayerNorm and apex's own ``manual_rms_norm``
-      do, so a half model with a float32 residual stream keeps working).
+      do in that case, so a half model with a float32 residual stream keeps working; for half
+      input with a float32 weight they promote to float32, this keeps the input's dtype).
     Without a weight: the input's dtype. Any input/weight combination is accepted.
     """
     if weight_dtype is None:
