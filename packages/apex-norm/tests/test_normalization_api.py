@@ -290,6 +290,19 @@ def test_torch_func_transforms_and_forward_ad_match_torch(device, kind):
     close(got, want)
 
 
+def test_jit_trace_gives_no_tracer_warnings():
+    """torch.jit.trace (the TorchScript ONNX exporter's path) of the modules: the argument checks
+    compare traced sizes, which used to warn four times a module; the traced module still runs
+    other batch shapes."""
+    for m in (norm.FusedLayerNorm(8), norm.FusedRMSNorm(8)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            traced = torch.jit.trace(m, torch.randn(2, 8))
+        assert not [w for w in seen if issubclass(w.category, torch.jit.TracerWarning)]
+        x = torch.randn(5, 3, 8)
+        torch.testing.assert_close(traced(x), m(x))
+
+
 def test_module_global_fused_layer_norm_cuda():
     """apex's module global: importable by name (None until a module is built, as in apex), then
     the fused_layer_norm_cuda module; Megatron forks import it and load it themselves if None."""

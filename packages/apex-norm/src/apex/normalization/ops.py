@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -345,6 +346,20 @@ def _check_param(name: str, param, input: torch.Tensor, shape: list[int]) -> Non
 
 def validate(input, normalized_shape, weight=None, bias=None) -> list[int]:
     """Checks the arguments of a norm; returns normalized_shape as a list of ints.
+
+    Under torch.jit.trace the sizes are traced tensors, and each comparison warns that a tensor
+    became a Python bool. The checks hold for the traced call and the trace keeps none of them
+    (nor does it keep torch's own), so those warnings are silenced there.
+    """
+    if torch.jit.is_tracing():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            return _validate(input, normalized_shape, weight, bias)
+    return _validate(input, normalized_shape, weight, bias)
+
+
+def _validate(input, normalized_shape, weight, bias) -> list[int]:
+    """validate's checks.
 
     NormTypeError (a TypeError) for a non-tensor or an unsupported dtype, NormValueError (a
     ValueError) for shapes and devices, both RuntimeErrors too; each message names the argument.
