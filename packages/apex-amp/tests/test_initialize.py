@@ -243,10 +243,54 @@ def test_unknown_opt_level(level):
     assert not amp._amp_state.initialized
 
 
-def test_initialize_twice_is_refused_with_the_fix():
+def test_initialize_again_starts_over_as_apex():
+    """A second initialize (a new Trainer per fold or sweep in one process) starts over with the
+    new models and optimizers, as apex's did; an optimizer of the first call is still refused,
+    with apex's words, and a refused call leaves the first one in place."""
+    m1 = make_model()
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    m1, o1 = amp.initialize(m1, o1, opt_level="O1", verbosity=0)
+    first = amp._amp_state.loss_scalers
+    with pytest.raises(RuntimeError, match="only be passed through amp.initialize once"):
+        amp.initialize(make_model(), o1, opt_level="O2", verbosity=0)
+    assert amp._amp_state.loss_scalers is first and amp._amp_state.opt_properties.opt_level == "O1"
+    m2 = make_model()
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    m2, o2 = amp.initialize(m2, o2, opt_level="O2", verbosity=0)
+    assert amp._amp_state.opt_properties.opt_level == "O2"
+    assert amp._amp_state.optimizers == [o2] and amp._amp_state.loss_scalers is not first
+    x, y = batches(1)[0]
+    with amp.scale_loss(((m2(x).float() - y) ** 2).mean(), o2) as scaled:
+        scaled.backward()
+    o2.step()
+    assert all(torch.isfinite(p).all() for p in amp.master_params(o2))
+
+
+def test_opt_properties_absent_until_initialize():
+    """As in apex: atorch tests `hasattr(_amp_state, "opt_properties") and ...enabled`."""
+    from apex.amp import _amp_state
+
+    assert not hasattr(_amp_state, "opt_properties")
+    assert not (hasattr(_amp_state, "opt_properties") and _amp_state.opt_properties.enabled)
     amp.initialize(make_model(), opt_level="O1", verbosity=0)
-    with pytest.raises(RuntimeError, match="already called.*apex.amp.reset"):
-        amp.initialize(make_model(), opt_level="O1", verbosity=0)
+    assert _amp_state.opt_properties.enabled
+    amp.reset()
+    assert not hasattr(_amp_state, "opt_properties")
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O3"])
+def test_scale_loss_without_scaling_takes_any_optimizer(opt_level):
+    """No master weights and a static scale of 1: apex's scale_loss touches no optimizer, so a
+    wrapper amp.initialize never saw (ESPnet's Noam) or None is accepted there."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x, y = batches(1)[0]
+    for other in (None, torch.optim.SGD(model.parameters(), lr=0.1)):
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), other) as scaled:
+            scaled.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        model.zero_grad()
 
 
 def test_optimizer_passed_twice():

@@ -212,3 +212,18 @@ def test_zero_grad_clears_master_grads_and_the_buffer_is_reused():
     assert all(m.grad is None for m in masters(opt))
     backward(model, opt, x, y)
     assert [m.grad.data_ptr() for m in masters(opt)] == first
+
+
+def test_zero_grad_without_set_to_none_zeroes_the_model_grads_in_place():
+    """zero_grad(set_to_none=False) leaves the model's low-precision grads zero tensors, as
+    torch's and apex's (which zeroed them in place) do; the masters still go to None."""
+    model, opt = init()
+    x, y = batches(1)[0]
+    backward(model, opt, x, y, delay_unscale=True)  # the grads stay on the model, scaled
+    model_grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in model_grads)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(model.parameters(), model_grads))
+    assert all(m.grad is None for m in masters(opt))
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())

@@ -26,7 +26,9 @@ class AmpState:
 
     def reset(self) -> None:
         """Forget everything ``initialize`` and ``init`` set up (the flags above stay)."""
-        self.opt_properties = None
+        # opt_properties: absent until initialize sets it, as in apex (atorch tests
+        # `hasattr(_amp_state, "opt_properties") and _amp_state.opt_properties.enabled`).
+        self.__dict__.pop("opt_properties", None)
         self.loss_scalers: list = []
         self.handle = None
         self.min_loss_scale = None

@@ -550,11 +550,10 @@ def _patch_master_zero_grad(optimizer) -> None:
     def zero_grad(self, set_to_none: bool = True):
         stash = self._amp_stash
         self._amp_lazy_init()
-        for param in stash.all_fp16_params:
-            param.grad = None
-        for master in stash.all_fp32_from_fp16_params:
-            master.grad = None
-        for param in stash.all_fp32_from_fp32_params:
+        # The model's grads (its low-precision params and its float32 ones) as torch's
+        # zero_grad(set_to_none) leaves them (apex zeroed both in place); the float32 masters of
+        # low-precision params always go to None: the next backward writes them afresh.
+        for param in (*stash.all_fp16_params, *stash.all_fp32_from_fp32_params):
             if set_to_none or param.grad is None:
                 param.grad = None
             else:
@@ -563,6 +562,8 @@ def _patch_master_zero_grad(optimizer) -> None:
                 else:
                     param.grad.requires_grad_(False)
                 param.grad.zero_()
+        for master in stash.all_fp32_from_fp16_params:
+            master.grad = None
         stash.all_fp32_from_fp16_grad_stash = [None] * len(stash.all_fp32_from_fp16_params)
         stash.all_fp32_from_fp32_grad_stash = [None] * len(stash.all_fp32_from_fp32_params)
         stash.params_have_scaled_gradients = False

@@ -222,7 +222,7 @@ class AmpHandle:
 
     def scale_loss(self, loss, optimizer, **kwargs):
         """The old handle API: ``amp.scale_loss`` once ``amp.initialize`` has run."""
-        if _amp_state.opt_properties is None:
+        if getattr(_amp_state, "opt_properties", None) is None:
             raise RuntimeError(
                 "amp_handle.scale_loss needs amp.initialize: call `model, optimizer = "
                 "amp.initialize(model, optimizer, opt_level='O1')`, then use "

@@ -324,13 +324,10 @@ def initialize(
         _amp_state.opt_properties = Properties()
         return models if optimizers is None else (models, optimizers)
 
-    if _amp_state.initialized:
-        raise RuntimeError(
-            "amp.initialize was already called in this process. Pass every model and "
-            "optimizer to one call: `[m1, m2], [o1, o2] = amp.initialize([m1, m2], [o1, o2], "
-            "...)`. To start over (tests, notebooks), call apex.amp.reset() first and build "
-            "fresh models and optimizers."
-        )
+    # A second call starts over, as apex's did (a new Trainer per fold or sweep in one process):
+    # once its arguments pass the checks below, the loss scalers, properties and O1's patches of
+    # the first call are replaced. Optimizers that went through a call before are refused below.
+    restart = _amp_state.initialized
     if not torch.backends.cudnn.enabled:
         raise RuntimeError(
             "Amp requires torch.backends.cudnn.enabled = True: set it before amp.initialize."
@@ -422,6 +419,9 @@ def initialize(
         for _ in range(num_losses)
     ]
 
+    if restart:
+        logger.info("amp.initialize called again: starting over with the new models and optimizers")
+        reset()
     for model in model_list:
         _cast_model(model, props, low, device_type)
     for opt in opt_list:

@@ -64,7 +64,7 @@ def scale_loss(
     ``delay_unscale=True`` leaves the grads scaled (accumulate several backwards, then exit one
     block without it). ``model`` is accepted and unused, as in apex.
     """
-    if _amp_state.opt_properties is None:
+    if getattr(_amp_state, "opt_properties", None) is None:
         raise RuntimeError(
             "Invoked `with amp.scale_loss`, but internal Amp state has not been initialized. "
             "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
@@ -76,7 +76,6 @@ def scale_loss(
     if isinstance(loss, torch.Tensor) is False:
         raise TypeError(f"amp.scale_loss needs the loss as a tensor, got {type(loss).__name__}")
     optimizers = _as_list(optimizers)
-    _check_optimizers(optimizers)
     if not 0 <= loss_id < len(_amp_state.loss_scalers):
         raise RuntimeError(
             f"loss_id {loss_id} is out of range: amp.initialize made "
@@ -87,11 +86,14 @@ def scale_loss(
     loss_scale = scaler.loss_scale()
     handle = _amp_state.handle
     if not _amp_state.opt_properties.master_weights and not scaler.dynamic and loss_scale == 1.0:
+        # Nothing to scale: the optimizers are not touched, so (as in apex) any may be passed,
+        # one amp.initialize never saw (a scheduler wrapper) or None included.
         yield loss.float()
         if handle is not None and getattr(handle, "has_cache", False):
             handle._clear_cache()
         return
 
+    _check_optimizers(optimizers)
     if not delay_unscale:
         for opt in optimizers:
             if not opt._amp_stash.params_have_scaled_gradients:
