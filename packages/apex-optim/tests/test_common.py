@@ -141,6 +141,40 @@ def test_master_weights_everywhere(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_masters_handed_out_before_a_step_stay_out_of_state(name):
+    """param_groups_master (param_groups_full_precision) before any step: apex built that list
+    beside self.state, and subclasses with their own step (NeMo's MegatronFusedAdam) create
+    their state on `len(state) == 0`; our first step then takes the same master tensors."""
+    ps = params(torch.bfloat16)
+    opt = make(name, ps, master_weights=True)
+    attr = (
+        "param_groups_full_precision"
+        if name == "FusedMixedPrecisionLamb"
+        else "param_groups_master"
+    )
+    early = getattr(opt, attr)[0]["params"]
+    assert all(len(opt.state[p]) == 0 for p in ps)
+    assert getattr(opt, attr)[0]["params"][0] is early[0]  # asked again: the same tensors
+    run_synthetic(opt, ps, steps=1)
+    assert all(opt.state[p]["master_param"] is m for p, m in zip(ps, early))
+    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(ps, early))
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB", "FusedNovoGrad"])
+def test_groups_without_grads_count_their_steps(name):
+    """apex counts a step in every group with params, whether any has a grad (Megatron reads
+    param_groups[i]['step'] of each)."""
+    ps = params()
+    opt = make(name, [{"params": ps[:2]}, {"params": ps[2:]}, {"params": []}])
+    for step in (1, 2):
+        for p in ps[:2]:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert [g.get("step") for g in opt.param_groups] == [step, step, None]
+    assert all(p.grad is None and p not in opt.state for p in ps[2:])
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_closure_and_empty_step(name):
     ps = params()
     opt = make(name, ps)

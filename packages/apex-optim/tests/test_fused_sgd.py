@@ -251,13 +251,16 @@ def test_constructor_and_attributes_match_apex():
         FusedSGD(ps, lr=0.1, nesterov=True)
 
 
-def test_zero_grad_follows_set_grad_none():
+def test_zero_grad_drops_the_grads_as_apex_on_current_torch():
+    """apex's FusedSGD (set_grad_none=False by default) called Optimizer.zero_grad(), which drops
+    the grads since torch 2.0; set_to_none=False zeroes them in place."""
     ps = params()
-    opt = FusedSGD(ps, lr=0.1)  # apex's default: set_grad_none=False
+    opt = FusedSGD(ps, lr=0.1)
+    assert opt.set_grad_none is False
     run_synthetic(opt, ps, steps=1)
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in ps)
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     assert all(p.grad is None for p in ps)
 
 

@@ -153,6 +153,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._state_len = -1
         self._lr_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._step_bufs: dict[torch.device, torch.Tensor] = {}
+        # Masters handed out (param_groups_master, param_groups_full_precision) before a step of
+        # ours made them: kept here, not in self.state, whose emptiness subclasses with their own
+        # step test to create their state (NeMo's MegatronFusedAdam: `if len(state) == 0`). Our
+        # first step moves each into state[MASTER_KEY], the same tensor.
+        self._early_masters: dict[torch.Tensor, torch.Tensor] = {}
         self._group_defaults = tuple(defaults)  # the keys this optimizer declares
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = self._supports_amp_scaling
@@ -337,6 +342,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                     b.state[k].append(t)
                 if masters is not None:
                     m = state.get(MASTER_KEY)
+                    if m is None:
+                        m = self._early_masters.pop(p, None)
+                        if m is not None:
+                            state[MASTER_KEY] = m
                     if m is None or m.device != p.device or m.dtype != torch.float32:
                         m = state[MASTER_KEY] = (
                             p.detach().float() if m is None else m.to(p.device, torch.float32)
@@ -430,39 +439,59 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clears the grads: ``set_to_none=True`` drops them (``p.grad = None``), False zeroes
-        them in place. Left out, apex's ``set_grad_none`` constructor argument decides (and
-        torch's default, True, where the optimizer has none)."""
-        if set_to_none is None:
-            set_to_none = True if self.set_grad_none is None else bool(self.set_grad_none)
-        super().zero_grad(set_to_none=set_to_none)
+        them in place. Left out, they are dropped whatever apex's ``set_grad_none`` says: apex
+        set them to None with it and otherwise called ``Optimizer.zero_grad()``, whose default
+        has been set_to_none=True since torch 2.0."""
+        super().zero_grad(set_to_none=True if set_to_none is None else bool(set_to_none))
 
     # ---- master weights ------------------------------------------------------------------------
 
     @property
     def param_groups_master(self) -> list[dict[str, list]]:
         """apex's fp32 master copies, one list per param group in param order: the master of each
-        fp16/bf16 param (created now if no step has created it yet), and fp32 params themselves
-        (they are their own masters). Empty lists' entries are None without master weights."""
+        fp16/bf16 param (created now if no step has created it yet, outside ``self.state``: see
+        ``_early_masters``), and fp32 params themselves (they are their own masters). Empty
+        lists' entries are None without master weights."""
         groups = []
         for group in self.param_groups:
             masters = []
             for p in group["params"]:
-                if not self._uses_master(p):
-                    masters.append(p if self.master_weights else None)
-                    continue
-                state = self.state[p]
-                m = state.get(MASTER_KEY)
-                if m is None:
-                    m = state[MASTER_KEY] = p.detach().float()
-                masters.append(m)
+                masters.append(
+                    self._master_of(p)
+                    if self._uses_master(p)
+                    else (p if self.master_weights else None)
+                )
             groups.append({"params": masters})
         return groups
+
+    @staticmethod
+    def _count_idle_group(group: dict[str, Any], keep: torch.Tensor | None = None) -> None:
+        """apex counts a step in every group with params, whether any has a grad or not (code
+        reads ``group['step']`` of each group, e.g. Megatron's distributed optimizer): a group
+        with nothing to update gets its count here (``keep``: the step-kept flag of a scaled step,
+        for a step counted on the device)."""
+        if not group["params"]:
+            return
+        step = group.get("step", 0)
+        if isinstance(step, torch.Tensor):
+            step.add_(1 if keep is None else keep.to(step.device))
+        else:
+            group["step"] = step + 1
+
+    def _master_of(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 master: the one a step made (in state), else one made now and kept aside."""
+        m = self.state[p].get(MASTER_KEY) if p in self.state else None
+        if m is None:
+            m = self._early_masters.get(p)
+            if m is None:
+                m = self._early_masters[p] = p.detach().float()
+        return m
 
     # ---- state_dict ----------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_plans", "_flags", "_lr_bufs", "_step_bufs", "_state_ref"):
+        for key in ("_plans", "_flags", "_lr_bufs", "_step_bufs", "_state_ref", "_early_masters"):
             state.pop(key, None)
         return state
 
@@ -471,6 +500,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("_flags", {})
         self.__dict__.setdefault("_lr_bufs", {})
         self.__dict__.setdefault("_step_bufs", {})
+        self._early_masters = {}
         self._plans = {}
         self._state_ref = None
         self.__dict__.setdefault("_state_len", -1)
@@ -495,6 +525,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         super().load_state_dict(state_dict)
+        self._early_masters.clear()  # as the state they stood in for: the loaded one decides
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):

@@ -168,6 +168,11 @@ class FusedAdam(FusedOptimizer):
         for index, group in enumerate(self.param_groups):
             plan, group_grads = self._plan(index, group)
             if plan is None:
+                step = group.get("step")
+                keep = None
+                if scaling is not None and isinstance(step, torch.Tensor):
+                    keep = scaling.flags(step.device).keep
+                self._count_idle_group(group, keep)
                 continue
             self._step_group(index, group, plan, group_grads, scaling)
         self._end_step()

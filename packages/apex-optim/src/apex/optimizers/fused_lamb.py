@@ -110,6 +110,8 @@ class FusedLAMB(FusedOptimizer):
             if plan is not None:
                 work.append((group, plan, grads))
                 native = native and grads is None
+            else:
+                self._count_idle_group(group)
         if work:
             flag = self._device_flags(work[0][1].device).scratch
             if not (native and self._step_native(work, flag)):

@@ -12,7 +12,6 @@ from apex.multi_tensor_apply import ops
 
 from ._base import (
     LOW_PRECISION,
-    MASTER_KEY,
     FusedOptimizer,
     check_betas,
     check_eps,
@@ -146,20 +145,12 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
     @property
     def param_groups_full_precision(self) -> list[dict[str, list]]:
         """apex's fp32 masters per group, in param order: the master of each param stepped through
-        one (created now if no step has created it yet), None for the others."""
-        groups = []
-        for group in self.param_groups:
-            masters = []
-            for p in group["params"]:
-                if not self._uses_master(p):
-                    masters.append(None)
-                    continue
-                state = self.state[p]
-                if MASTER_KEY not in state:
-                    state[MASTER_KEY] = p.detach().float()
-                masters.append(state[MASTER_KEY])
-            groups.append({"params": masters})
-        return groups
+        one (created now if no step has created it yet, outside ``self.state``, as
+        param_groups_master's), None for the others."""
+        return [
+            {"params": [self._master_of(p) if self._uses_master(p) else None for p in g["params"]]}
+            for g in self.param_groups
+        ]
 
     def _after_load_group(self, group: dict[str, Any]) -> None:
         for key in _TENSOR_DEFAULTS:

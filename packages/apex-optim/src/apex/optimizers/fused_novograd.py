@@ -122,6 +122,7 @@ class FusedNovoGrad(FusedOptimizer):
         for index, group in enumerate(self.param_groups):
             plan, grads = self._plan(index, group)
             if plan is None:
+                self._count_idle_group(group)
                 continue
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
