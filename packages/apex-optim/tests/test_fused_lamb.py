@@ -263,6 +263,8 @@ def test_mixed_precision_lamb_constructor_matches_apex():
     )
     g = opt.param_groups[0]
     assert g["lr"].dtype == torch.float32 and g["lr"].item() == pytest.approx(1e-2)
+    # apex's shapes: lr 0-dim (loggers format it: f"{lr:.2e}"), step one element
+    assert g["lr"].dim() == 0 and f"{g['lr']:.2e}" == "1.00e-02"
     assert g["step"].dtype == torch.int32 and g["step"].tolist() == [5]
     assert (g["bias_correction"], g["betas"], g["eps"], g["weight_decay"]) == (
         False, (0.8, 0.9), 1e-7, 0.1)  # fmt: skip

@@ -29,8 +29,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
     (apex.optimizers.FusedMixedPrecisionLamb).
 
     The constructor is apex's, positional order included; FusedLAMB's algorithm, with
-    ``group['lr']`` (float32) and ``group['step']`` (int32, from ``step=``) kept as one-element
-    tensors on the params' device, so nothing is read on the host. Params whose dtype is
+    ``group['lr']`` (float32, 0-dim as apex's) and ``group['step']`` (int32, one element, from
+    ``step=``) kept as tensors on the params' device, so nothing is read on the host. Params whose dtype is
     ``reduced_precision_dtype`` (e.g. ``torch.bfloat16``) are stepped through float32 masters
     (apex's ``param_groups_full_precision``), created on the first step so that a model
     broadcast after the optimizer was built is respected; their ``exp_avg``/``exp_avg_sq`` are
@@ -122,18 +122,19 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
         self._place_tensors(group)
 
     def _place_tensors(self, group: dict[str, Any]) -> None:
-        """lr and step as this group's own one-element tensors on the params' device (torch's
-        add_param_group would share the defaults' tensors between groups)."""
+        """lr and step as this group's own tensors on the params' device (torch's
+        add_param_group would share the defaults' tensors between groups), in apex's shapes: lr
+        0-dim (so `f"{group['lr']:.2e}"` in a logger works), step one element."""
         first = self._first_param()
         device = first.device if first is not None else torch.device("cpu")
         dtypes = {"lr": torch.float32, "step": torch.int32}
         for key in _TENSOR_DEFAULTS:
             value = group[key]
             if not isinstance(value, torch.Tensor):
-                value = torch.tensor([value], dtype=dtypes[key])
+                value = torch.tensor(value if key == "lr" else [value], dtype=dtypes[key])
             elif value is self.defaults[key]:
                 value = value.clone()
-            if value.dim() == 0:
+            if key == "step" and value.dim() == 0:
                 value = value.reshape(1)
             group[key] = value.to(device)
 
