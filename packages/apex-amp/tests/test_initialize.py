@@ -266,6 +266,44 @@ def test_initialize_again_starts_over_as_apex():
     assert all(torch.isfinite(p).all() for p in amp.master_params(o2))
 
 
+def test_optimizers_of_an_earlier_initialize_still_scale():
+    """A GAN's generator and discriminator set up by two calls: the first call's optimizer still
+    works with scale_loss, as in apex (which only looked for _amp_stash)."""
+    g, d = make_model(0), make_model(1)
+    og = torch.optim.SGD(g.parameters(), lr=0.1)
+    od = torch.optim.SGD(d.parameters(), lr=0.1)
+    g, og = amp.initialize(g, og, opt_level="O2", low_precision_dtype=torch.float16, verbosity=0)
+    d, od = amp.initialize(d, od, opt_level="O2", low_precision_dtype=torch.float16, verbosity=0)
+    x, y = batches(1)[0]
+    for model, opt in ((g, og), (d, od)):
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in amp.master_params(opt))
+
+
+def test_a_second_initialize_failing_late_leaves_the_first(monkeypatch):
+    """A second call that fails while processing its optimizer leaves the first call working."""
+    m1 = make_model()
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    m1, o1 = amp.initialize(m1, o1, opt_level="O1", verbosity=0)
+    props, scalers = amp._amp_state.opt_properties, amp._amp_state.loss_scalers
+
+    def broken(opt, props):
+        raise RuntimeError("processing failed")
+
+    monkeypatch.setattr(frontend, "process_optimizer", broken)
+    m2 = make_model()
+    with pytest.raises(RuntimeError, match="processing failed"):
+        amp.initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), opt_level="O1", verbosity=0)
+    assert amp._amp_state.initialized and amp._amp_state.opt_properties is props
+    assert amp._amp_state.loss_scalers is scalers
+    x, y = batches(1)[0]
+    with amp.scale_loss(((m1(x).float() - y) ** 2).mean(), o1) as scaled:
+        scaled.backward()
+    o1.step()
+
+
 def test_opt_properties_absent_until_initialize():
     """As in apex: atorch tests `hasattr(_amp_state, "opt_properties") and ...enabled`."""
     from apex.amp import _amp_state

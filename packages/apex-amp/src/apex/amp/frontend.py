@@ -325,8 +325,9 @@ def initialize(
         return models if optimizers is None else (models, optimizers)
 
     # A second call starts over, as apex's did (a new Trainer per fold or sweep in one process):
-    # once its arguments pass the checks below, the loss scalers, properties and O1's patches of
-    # the first call are replaced. Optimizers that went through a call before are refused below.
+    # once its models and optimizers are processed, the loss scalers, properties and O1's patches
+    # of the first call are replaced; the first call's optimizers still work with scale_loss, as
+    # in apex. Optimizers that went through a call before are refused below.
     restart = _amp_state.initialized
     if not torch.backends.cudnn.enabled:
         raise RuntimeError(
@@ -419,9 +420,6 @@ def initialize(
         for _ in range(num_losses)
     ]
 
-    if restart:
-        logger.info("amp.initialize called again: starting over with the new models and optimizers")
-        reset()
     for model in model_list:
         _cast_model(model, props, low, device_type)
     for opt in opt_list:
@@ -430,6 +428,11 @@ def initialize(
             # Recast existing optimizer state to the new param dtypes, as apex does.
             opt.load_state_dict(opt.state_dict())
 
+    if restart:
+        # Only now, with this call's models and optimizers processed: a call that fails on the
+        # way leaves the earlier one in place.
+        logger.info("amp.initialize called again: starting over with the new models and optimizers")
+        reset()
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = scalers
     _amp_state.min_loss_scale = min_loss_scale

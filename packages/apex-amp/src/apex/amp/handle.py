@@ -18,9 +18,10 @@ def _as_list(optimizers) -> list:
 
 
 def _check_optimizers(optimizers: list) -> None:
-    known = {id(o) for o in _amp_state.optimizers}
+    # Any optimizer that went through amp.initialize, this call's or an earlier one's (apex looked
+    # only for _amp_stash, and a GAN's two optimizers may come from two calls).
     for opt in optimizers:
-        if id(opt) not in known or not hasattr(opt, "_amp_stash"):
+        if not hasattr(opt, "_amp_stash"):
             raise RuntimeError(
                 f"amp.scale_loss got an optimizer ({type(opt).__name__}) that was not passed to "
                 "amp.initialize. Pass every optimizer through initialize and use the ones it "
