@@ -174,6 +174,46 @@ def test_groups_without_grads_count_their_steps(name):
     assert all(p.grad is None and p not in opt.state for p in ps[2:])
 
 
+@pytest.mark.parametrize("kw", [{"capturable": True}, {}])
+def test_idle_group_steps_are_kept_as_the_active_ones(kw):
+    """FusedAdam: an idle group's step is kept as an active group's: a device tensor when
+    capturable or scaled, and a GradScaler step skipped for inf is not counted."""
+    ps = params()
+    opt = FusedAdam([{"params": ps[:2]}, {"params": ps[2:]}], **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))  # the scaler's lazy init (the grads below stand for scaled ones)
+    for bad in (False, True, False):
+        for p in ps[:2]:
+            p.grad = torch.full_like(p, float("inf") if bad else 1.0)
+        scaler.step(opt)
+        scaler.update()
+    steps = [g["step"] for g in opt.param_groups]
+    assert all(isinstance(s, torch.Tensor) and s.tolist() == [2] for s in steps)
+
+
+def test_mixed_precision_lamb_counts_idle_groups():
+    ps = params()
+    opt = FusedMixedPrecisionLamb([{"params": ps[:2]}, {"params": ps[2:]}])
+    for p in ps[:2]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = None
+    opt.step()  # no grads anywhere: apex still counts the step
+    assert [g["step"].tolist() for g in opt.param_groups] == [[2], [2]]
+
+
+def test_early_masters_of_replaced_params_are_dropped():
+    ps = params(torch.bfloat16)
+    opt = FusedAdam(ps, master_weights=True)
+    opt.param_groups_master  # noqa: B018  (made aside, before any step)
+    assert len(opt._early_masters) == len(ps)
+    new = params(torch.bfloat16, seed=1)
+    opt.param_groups[0]["params"] = new
+    run_synthetic(opt, new, steps=1)
+    assert not opt._early_masters
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_closure_and_empty_step(name):
     ps = params()

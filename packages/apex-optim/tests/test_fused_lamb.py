@@ -265,6 +265,8 @@ def test_mixed_precision_lamb_constructor_matches_apex():
     assert g["lr"].dtype == torch.float32 and g["lr"].item() == pytest.approx(1e-2)
     # apex's shapes: lr 0-dim (loggers format it: f"{lr:.2e}"), step one element
     assert g["lr"].dim() == 0 and f"{g['lr']:.2e}" == "1.00e-02"
+    opt.add_param_group({"params": params(torch.bfloat16, seed=1), "lr": torch.tensor([0.5])})
+    assert opt.param_groups[1]["lr"].dim() == 0  # a one-element lr too (older checkpoints)
     assert g["step"].dtype == torch.int32 and g["step"].tolist() == [5]
     assert (g["bias_correction"], g["betas"], g["eps"], g["weight_decay"]) == (
         False, (0.8, 0.9), 1e-7, 0.1)  # fmt: skip

@@ -249,6 +249,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _invalidate(self) -> None:
         self._plans.clear()
         self._state_ref = None
+        self._prune_early_masters()
+
+    def _prune_early_masters(self) -> None:
+        """Drops the early masters of params no longer in any group (replaced, removed)."""
+        if self._early_masters:
+            live = {p for g in self.param_groups for p in g["params"]}
+            for p in [p for p in self._early_masters if p not in live]:
+                del self._early_masters[p]
 
     def _device_flags(self, device: torch.device) -> DeviceFlags:
         f = self._flags.get(device)
@@ -298,6 +306,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return plan, [p.grad for p in plan.live]
 
     def _build_plan(self, index: int, group: dict, params: list, keys: tuple) -> Plan:
+        self._prune_early_masters()
         where = f"{self._name}: param group {index}"
         live, dead = [], []
         for i, p in enumerate(params):

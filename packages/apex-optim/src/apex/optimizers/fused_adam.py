@@ -168,15 +168,26 @@ class FusedAdam(FusedOptimizer):
         for index, group in enumerate(self.param_groups):
             plan, group_grads = self._plan(index, group)
             if plan is None:
-                step = group.get("step")
-                keep = None
-                if scaling is not None and isinstance(step, torch.Tensor):
-                    keep = scaling.flags(step.device).keep
-                self._count_idle_group(group, keep)
+                self._count_idle_group_step(group, scaling)
                 continue
             self._step_group(index, group, plan, group_grads, scaling)
         self._end_step()
         return loss
+
+    def _count_idle_group_step(self, group, scaling: Scaling | None) -> None:
+        """apex counts a step in every group with params, grads or not (see _count_idle_group),
+        here kept as _step_group keeps it: on the device, counting only steps not skipped, when
+        capturable, scaled or already a tensor."""
+        step = group.get("step", 0)
+        if not group["params"]:
+            return
+        if not (self.capturable or scaling is not None or isinstance(step, torch.Tensor)):
+            group["step"] = step + 1
+            return
+        if not isinstance(step, torch.Tensor):
+            device = group["params"][0].device
+            step = group["step"] = torch.tensor([step], dtype=torch.int32, device=device)
+        step.add_(1 if scaling is None else scaling.flags(step.device).keep)
 
     def _step_group(self, index, group, plan, grads, scaling: Scaling | None) -> None:
         beta1, beta2 = group["betas"]

@@ -136,6 +136,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                 value = value.clone()
             if key == "step" and value.dim() == 0:
                 value = value.reshape(1)
+            elif key == "lr" and value.dim() != 0 and value.numel() == 1:
+                value = value.reshape(())  # a one-element lr (older checkpoints, a user's) too
             group[key] = value.to(device)
 
     def _uses_master(self, p: torch.Tensor) -> bool:
@@ -175,12 +177,16 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
         loss = self._closure(closure)
         scaling = self._scaling(grad_scaler)
         self._begin_step()
-        work = []
+        work, idle = [], []
         for index, group in enumerate(self.param_groups):
             plan, grads = self._plan(index, group)
             if plan is not None:
                 work.append((index, group, plan, grads))
+            elif group["params"]:
+                idle.append(group)  # apex counts its step too (below)
         if not work:
+            for group in idle:
+                group["step"].add_(1)
             self._end_step()
             return loss
         device = work[0][2].device
@@ -199,6 +205,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
         max_grad_norm = scale.float() * self.defaults["max_grad_norm"]
         all_grads = [g for *_, grads in work for g in grads]
         grad_norm = ops.multi_tensor_l2norm_mp(all_grads, noop, False)[0]
+        for group in idle:  # as apex: every group's step counts the steps not skipped
+            group["step"].add_(noop.eq(0).to(group["step"].device, group["step"].dtype))
         for index, group, plan, grads in work:
             step = group["step"]
             step.add_(noop.eq(0).to(step.dtype))

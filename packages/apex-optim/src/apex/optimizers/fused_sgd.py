@@ -47,7 +47,8 @@ class FusedSGD(FusedOptimizer):
       place (float16 grads into float32 copies, so small grads do not underflow);
     - ``zero_grad(set_to_none=...)``; ``foreach=``/``fused=`` accepted and ignored.
 
-    ``set_grad_none`` defaults to False, as in apex: ``zero_grad()`` zeroes grads in place.
+    ``set_grad_none`` defaults to False, as in apex, where it then called ``Optimizer.zero_grad()``:
+    since torch 2.0 that drops the grads, and so does ``zero_grad()`` here.
     apex amp's attributes are kept: ``most_recent_scale`` (grads are multiplied by its inverse;
     reset to 1 after each step), ``scale_set_by_backward``, and the O2 path through
     ``_amp_stash`` (fp32 masters held by amp).
