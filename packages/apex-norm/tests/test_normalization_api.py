@@ -217,6 +217,10 @@ def test_bad_arguments_are_runtime_errors_too():
         norm.FusedRMSNorm(4)(torch.arange(8).reshape(2, 4))
     with pytest.raises(RuntimeError, match="normalized_shape must be an int"):
         importlib.import_module("fused_layer_norm_cuda").forward(torch.randn(2, 4), "4", 1e-5)
+    flc = importlib.import_module("fused_layer_norm_cuda")
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="mean must hold one value per row"):
+        flc.backward_affine(x, None, torch.ones(2), x, (4,), torch.ones(4), torch.zeros(4), 1e-5)
     assert issubclass(ops.NormValueError, ValueError) and issubclass(ops.NormTypeError, TypeError)
 
 

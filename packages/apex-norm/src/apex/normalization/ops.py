@@ -39,6 +39,7 @@ import torch
 from apex.multi_tensor_apply.build import loader as _loader
 
 from . import reference
+from ._errors import NormTypeError, NormValueError
 from ._kernels import NORM
 
 SCHEMAS = {
@@ -279,17 +280,7 @@ OPS.register_autograd("rms_norm_fwd", _rms_backward, _rms_setup)
 
 
 # -- argument checks ---------------------------------------------------------------------------
-# Bad arguments raise TypeError (a non-tensor, an unsupported dtype) or ValueError (shapes,
-# devices), each also a RuntimeError: apex's checks (TORCH_CHECK) and torch's own layer_norm raise
-# RuntimeError, and code written against them catches that.
-
-
-class NormTypeError(TypeError, RuntimeError):
-    """A norm's argument of the wrong type or dtype."""
-
-
-class NormValueError(ValueError, RuntimeError):
-    """A norm's argument of the wrong shape, size or device."""
+# NormTypeError / NormValueError (_errors.py): TypeError / ValueError that are RuntimeErrors too.
 
 
 def _is_dim(d) -> bool:

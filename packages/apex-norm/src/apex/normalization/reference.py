@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ._errors import NormValueError
+
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -102,7 +104,7 @@ def layer_norm_bwd(
     rows, cols = _rows(input_or_output, normalized_shape)
     if mean is None and not memory_efficient:
         # Without it x-hat would silently lose the centring (the CUDA kernel refuses too).
-        raise ValueError(
+        raise NormValueError(
             f"layer_norm_bwd: mean must hold one value per row ({rows}) unless memory_efficient"
         )
     xhat = _xhat(
