@@ -474,16 +474,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         return groups
 
     @staticmethod
-    def _count_idle_group(group: dict[str, Any], keep: torch.Tensor | None = None) -> None:
+    def _count_idle_group(group: dict[str, Any]) -> None:
         """apex counts a step in every group with params, whether any has a grad or not (code
         reads ``group['step']`` of each group, e.g. Megatron's distributed optimizer): a group
-        with nothing to update gets its count here (``keep``: the step-kept flag of a scaled step,
-        for a step counted on the device)."""
+        with nothing to update gets its count here (FusedAdam, whose step may live on the
+        device, has its own)."""
         if not group["params"]:
             return
         step = group.get("step", 0)
         if isinstance(step, torch.Tensor):
-            step.add_(1 if keep is None else keep.to(step.device))
+            step.add_(1)
         else:
             group["step"] = step + 1
 
