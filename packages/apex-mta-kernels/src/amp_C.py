@@ -7,9 +7,24 @@ function forwards to the ``apex_mta`` op of the same name.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import apex.multi_tensor_apply.ops as _ops
+
+
+def _below_autograd(fn):
+    """apex's amp_C functions are C++ below autograd: they write into tensors that require grad
+    (apex's own FusedSGD passed its Parameters, outside no_grad) and return norms without a
+    grad_fn. Each function here runs its op under no_grad for the same."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _unpack(op: str, tensor_lists, depth: int):
@@ -19,6 +34,7 @@ def _unpack(op: str, tensor_lists, depth: int):
     return [list(lst) for lst in tensor_lists]
 
 
+@_below_autograd
 def multi_tensor_scale(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float
 ) -> None:
@@ -27,18 +43,21 @@ def multi_tensor_scale(
     _ops.multi_tensor_scale(inputs, outputs, noop_flag, scale)
 
 
+@_below_autograd
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, per_tensor=None):
     """``tensor_lists = [tensors]``: returns ``(total_norm[1], per_tensor_norms[n] or [0])``."""
     (tensors,) = _unpack("multi_tensor_l2norm", tensor_lists, 1)
     return _ops.multi_tensor_l2norm(tensors, noop_flag, bool(per_tensor))
 
 
+@_below_autograd
 def multi_tensor_l2norm_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, per_tensor=None):
     """As multi_tensor_l2norm; skipped (norms returned as 0) when noop_flag is set."""
     (tensors,) = _unpack("multi_tensor_l2norm_mp", tensor_lists, 1)
     return _ops.multi_tensor_l2norm_mp(tensors, noop_flag, bool(per_tensor))
 
 
+@_below_autograd
 def multi_tensor_l2norm_scale(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float, per_tensor=None
 ):
@@ -47,6 +66,7 @@ def multi_tensor_l2norm_scale(
     return _ops.multi_tensor_l2norm_scale(inputs, outputs, noop_flag, scale, bool(per_tensor))
 
 
+@_below_autograd
 def multi_tensor_unscale_l2norm(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists, inv_scale: torch.Tensor, per_tensor=None
 ):
@@ -55,6 +75,7 @@ def multi_tensor_unscale_l2norm(
     return _ops.multi_tensor_unscale_l2norm(tensors, noop_flag, inv_scale, bool(per_tensor))
 
 
+@_below_autograd
 def multi_tensor_axpby(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float, arg_to_check: int
 ) -> None:
@@ -63,6 +84,7 @@ def multi_tensor_axpby(
     _ops.multi_tensor_axpby(x, y, out, noop_flag, a, b, arg_to_check)
 
 
+@_below_autograd
 def multi_tensor_adam(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -85,6 +107,7 @@ def multi_tensor_adam(
     )
 
 
+@_below_autograd
 def multi_tensor_adam_capturable(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -108,6 +131,7 @@ def multi_tensor_adam_capturable(
     )
 
 
+@_below_autograd
 def multi_tensor_adam_capturable_master(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -131,6 +155,7 @@ def multi_tensor_adam_capturable_master(
     )
 
 
+@_below_autograd
 def multi_tensor_sgd(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -171,6 +196,7 @@ def multi_tensor_sgd(
     )
 
 
+@_below_autograd
 def multi_tensor_novograd(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -209,6 +235,7 @@ def multi_tensor_novograd(
     )
 
 
+@_below_autograd
 def multi_tensor_adagrad(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -224,6 +251,7 @@ def multi_tensor_adagrad(
     _ops.multi_tensor_adagrad(grads, params, sums, noop_flag, lr, epsilon, mode, weight_decay)
 
 
+@_below_autograd
 def multi_tensor_lamb_stage1_cuda(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -256,6 +284,7 @@ def multi_tensor_lamb_stage1_cuda(
     )
 
 
+@_below_autograd
 def multi_tensor_lamb_stage2_cuda(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -280,6 +309,7 @@ def multi_tensor_lamb_stage2_cuda(
     )
 
 
+@_below_autograd
 def multi_tensor_lamb(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -321,6 +351,7 @@ def multi_tensor_lamb(
     )
 
 
+@_below_autograd
 def multi_tensor_lamb_mp(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -374,6 +405,7 @@ def multi_tensor_lamb_mp(
     )
 
 
+@_below_autograd
 def update_scale_hysteresis(
     current_scale: torch.Tensor,
     growth_tracker: torch.Tensor,

@@ -94,6 +94,27 @@ def test_legacy_amp_C_scale(device, strict_kernels):
 
 
 @pytest.mark.parametrize("device", devices())
+def test_legacy_amp_C_writes_into_params_that_require_grad(device, strict_kernels):
+    """apex's amp_C is C++ below autograd: code that passes Parameters outside no_grad (apex's
+    own FusedSGD did: `[grads, params, momenta]`) works, and norms come back without a grad_fn."""
+    ps = [torch.nn.Parameter(rand(n, torch.float32, device)) for n in (3, 65537)]
+    before = [p.detach().clone() for p in ps]
+    noop = flag(device)
+    assert torch.is_grad_enabled()
+    amp_C.multi_tensor_scale(2048 * 32, noop, [ps, ps], 0.5)
+    for p, b in zip(ps, before):
+        torch.testing.assert_close(p.detach(), b * 0.5, atol=0, rtol=0)
+    gs = [torch.ones_like(p) for p in ps]
+    ms = [torch.zeros_like(p) for p in ps]
+    amp_C.multi_tensor_sgd(2048 * 32, noop, [gs, ps, ms], 0.0, 0.0, 0.0, 0.1, False, True, False)
+    for p, b in zip(ps, before):
+        torch.testing.assert_close(p.detach(), b * 0.5 - 0.1)
+    total, per = amp_C.multi_tensor_l2norm(2048 * 32, noop, [ps], True)
+    assert total.grad_fn is None and per.grad_fn is None and not total.requires_grad
+    assert all(p.requires_grad and p.grad is None for p in ps)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_scale_empty_lists_are_a_no_op(device, strict_kernels):
     noop = flag(device)
     ops.multi_tensor_scale([], [], noop, 2.0)
