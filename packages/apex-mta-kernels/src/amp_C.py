@@ -17,10 +17,13 @@ import apex.multi_tensor_apply.ops as _ops
 def _below_autograd(fn):
     """apex's amp_C functions are C++ below autograd: they write into tensors that require grad
     (apex's own FusedSGD passed its Parameters, outside no_grad) and return norms without a
-    grad_fn. Each function here runs its op under no_grad for the same."""
+    grad_fn. Each function here runs its op under no_grad for the same (nothing to enter where
+    grad mode is off already, as in the optimizers' steps)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
         with torch.no_grad():
             return fn(*args, **kwargs)
 

@@ -478,7 +478,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """apex counts a step in every group with params, whether any has a grad or not (code
         reads ``group['step']`` of each group, e.g. Megatron's distributed optimizer): a group
         with nothing to update gets its count here (FusedAdam, whose step may live on the
-        device, has its own)."""
+        device, counts it with its own _advance_step)."""
         if not group["params"]:
             return
         step = group.get("step", 0)

@@ -168,45 +168,35 @@ class FusedAdam(FusedOptimizer):
         for index, group in enumerate(self.param_groups):
             plan, group_grads = self._plan(index, group)
             if plan is None:
-                self._count_idle_group_step(group, scaling)
+                # apex counts a step in every group with params, grads or not (see
+                # _count_idle_group), kept here as an active group's is.
+                if group["params"]:
+                    self._advance_step(group, group["params"][0].device, scaling)
                 continue
             self._step_group(index, group, plan, group_grads, scaling)
         self._end_step()
         return loss
 
-    def _count_idle_group_step(self, group, scaling: Scaling | None) -> None:
-        """apex counts a step in every group with params, grads or not (see _count_idle_group),
-        here kept as _step_group keeps it: on the device, counting only steps not skipped, when
-        capturable, scaled or already a tensor."""
+    def _advance_step(self, group, device: torch.device, scaling: Scaling | None):
+        """Counts the group's step; returns (step, on_device). Capturable, scaled or already a
+        tensor: an int32 device tensor on ``device`` (if it has to be made) counting only the
+        steps that were not skipped; else a host int."""
         step = group.get("step", 0)
-        if not group["params"]:
-            return
-        if not (self.capturable or scaling is not None or isinstance(step, torch.Tensor)):
-            group["step"] = step + 1
-            return
-        if not isinstance(step, torch.Tensor):
-            device = group["params"][0].device
-            step = group["step"] = torch.tensor([step], dtype=torch.int32, device=device)
-        step.add_(1 if scaling is None else scaling.flags(step.device).keep)
+        if self.capturable or scaling is not None or isinstance(step, torch.Tensor):
+            if not isinstance(step, torch.Tensor):
+                step = group["step"] = torch.tensor([step], dtype=torch.int32, device=device)
+            step.add_(1 if scaling is None else scaling.flags(step.device).keep)
+            return step, True
+        step = group["step"] = step + 1
+        return step, False
 
     def _step_group(self, index, group, plan, grads, scaling: Scaling | None) -> None:
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         wd = group["weight_decay"]
         bc = bool(group["bias_correction"])
-        step = group.get("step", 0)
-        if self.capturable or scaling is not None or isinstance(step, torch.Tensor):
-            # Device-side step counter: counts only the steps that were not skipped.
-            if not isinstance(step, torch.Tensor):
-                step = group["step"] = torch.tensor([step], dtype=torch.int32, device=plan.device)
-            if scaling is None:
-                step.add_(1)
-            else:
-                step.add_(scaling.flags(step.device).keep)
-            on_device = True
-        else:
-            step = group["step"] = step + 1
-            on_device = isinstance(group["lr"], torch.Tensor)
+        step, on_device = self._advance_step(group, plan.device, scaling)
+        on_device = on_device or isinstance(group["lr"], torch.Tensor)
         if group.get("amsgrad", False):
             for b in plan.buckets:
                 self._amsgrad(index, group, b, grads[b.start : b.stop], step, scaling)
