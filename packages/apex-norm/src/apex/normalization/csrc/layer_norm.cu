@@ -1293,6 +1293,12 @@ struct Tune {
   // for the group sums, not this one; bf16 fwd+bwd): -3.8 % at H=8192, +2.3 % at H=16384. To be
   // timed per row width in one build: `SWEEP_SETTINGS="bwd_bias4=1 bwd_bias4=0 ..."`.
   int bwd_bias4 = 1;
+  // LayerNorm's 16-bit 4-vector ring (H > 4096) through its LEAN variant (weight, bias and
+  // grad_input in the input's dtype: no run-time dtype branch per vector), the bias sums still
+  // in shared memory: bit 1 rows of 512 threads (H = 16384), bit 2 narrower rows (H = 8192 at
+  // 256 threads); 0 the general ring. Not yet timed: the LEAN 4-vector ring measured at 18:1x
+  // kept its bias sums in registers (127 of them) and was slower.
+  int bwd_lean4 = 0;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1311,6 +1317,7 @@ constexpr Knob kKnobs[] = {
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
+    {"bwd_lean4", &Tune::bwd_lean4, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1671,6 +1678,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             // 1.4727, 1.4443.
             if constexpr (NV <= 2 || RMS) {
               if (lean && (NV <= 2 || c.tx > 256)) return plain(std::true_type{});
+            }
+            // LayerNorm's 4-vector rows through LEAN with the bias sums in shared memory
+            // (Tune's bwd_lean4: bit 1 rows of 512 threads, bit 2 narrower ones).
+            if constexpr (!RMS && NV == 4) {
+              if (lean && (tune().bwd_lean4 & (c.tx > 256 ? 1 : 2))) return plain(std::true_type{});
             }
             return plain(std::false_type{});
           }
