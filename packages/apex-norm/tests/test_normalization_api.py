@@ -569,7 +569,45 @@ def test_cuda_eager_path_is_the_cpp_autograd_and_matches_the_functions(
         assert got.dtype == want.dtype
         assert torch.equal(got, want)
     with torch.no_grad():
-        assert fast().grad_fn is None
+        y_off = fast()  # the C++ autograd's shortcut: the op below autograd, no Function
+    assert y_off.grad_fn is None and not y_off.requires_grad
+    assert torch.equal(y_off, y)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+def test_cuda_op_records_nothing_without_grad_and_refuses_a_tangent(norm_kind):
+    """The forward op on CUDA (the C++ autograd): where nothing needs a gradient (no input
+    requires one, or grad mode is off) it records no backward and gives the same output; an
+    input requiring a gradient under no_grad gives none either. A forward-mode tangent still
+    reaches the C++ Function, which refuses it (torch's error) rather than dropping it."""
+    assert ops.OPS.ensure_loaded()
+    H = 64
+    x = make((8, H), torch.float32, "cuda", scale=2.0)
+    w = param((H,), torch.float32, "cuda").detach()
+    b = param((H,), torch.float32, "cuda").detach()
+    if norm_kind == "layer":
+        call = lambda x, w: torch.ops.apex_norm.layer_norm_fwd.default(x, w, b, [H], 1e-5)  # noqa: E731
+    else:
+        call = lambda x, w: torch.ops.apex_norm.rms_norm_fwd.default(x, w, [H], 1e-5)  # noqa: E731
+    plain = call(x, w)
+    assert all(t.grad_fn is None and not t.requires_grad for t in plain)
+    wg = w.clone().requires_grad_(True)
+    recorded = call(x, wg)
+    assert recorded[0].grad_fn is not None
+    with torch.no_grad():
+        off = call(x, wg)
+    assert all(t.grad_fn is None and not t.requires_grad for t in off)
+    for got, want in zip(off, recorded):
+        assert torch.equal(got, want.detach())
+    for got, want in zip(plain, recorded):
+        assert torch.equal(got, want.detach())
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), torch.no_grad():
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(RuntimeError, match="jvp is not implemented"):
+            call(dual, w)
 
 
 @pytest.mark.cuda

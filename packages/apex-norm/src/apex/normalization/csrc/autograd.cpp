@@ -10,6 +10,9 @@
 // non-differentiable: the Python autograd does not mark them either, and compiled autograd
 // (CppNode::compiled_args) refuses a C++ Function that marks any.
 //
+// A forward call that records nothing for backward (grad mode off, or no input that needs a
+// gradient) skips the Function: the op runs below autograd at once (records_nothing).
+//
 // Forward and backward call the ops themselves below autograd through the dispatcher, so the CUDA
 // kernels run for real tensors and the fakes for FakeTensors (torch.compile, opcheck). Under
 // create_graph=True (grad mode on in backward) the gradients come, as in ops.grads_with_graph,
@@ -197,10 +200,33 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   }
 };
 
+// Whether a forward call records nothing for backward: grad mode off (torch.no_grad, eval
+// loops), or no input that needs a gradient or carries a forward-mode tangent. Then the op runs
+// straight below autograd: no Function node, saved tensors or saved_data for a backward that
+// cannot come (host time per inference call). A forward-mode tangent keeps Function::apply, which
+// refuses it (no jvp here) rather than dropping it silently.
+bool records_nothing(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias) {
+  const at::Tensor* ts[3] = {&input, weight ? &*weight : nullptr, bias ? &*bias : nullptr};
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->_fw_grad(/*level=*/0).defined()) return false;
+  }
+  if (!at::GradMode::is_enabled()) return true;
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->requires_grad()) return false;
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_autograd(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, at::IntArrayRef normalized_shape, double eps,
     bool memory_efficient, std::optional<at::ScalarType> out_dtype) {
+  if (records_nothing(input, weight, bias)) {
+    static const auto fwd = op<LnFwd>("apex_norm::layer_norm_fwd");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(input, weight, bias, normalized_shape, eps, memory_efficient, out_dtype);
+  }
   const variable_list r = LayerNormFn::apply(input, weight, bias, normalized_shape, eps,
                                              memory_efficient, out_dtype);
   return {r[0], r[1], r[2]};
@@ -211,6 +237,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_autograd(const at::Tensor& input
                                                          at::IntArrayRef normalized_shape,
                                                          double eps, bool memory_efficient,
                                                          std::optional<at::ScalarType> out_dtype) {
+  if (records_nothing(input, weight, std::nullopt)) {
+    static const auto fwd = op<RmsFwd>("apex_norm::rms_norm_fwd");
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fwd.call(input, weight, normalized_shape, eps, memory_efficient, out_dtype);
+  }
   const variable_list r =
       RmsNormFn::apply(input, weight, normalized_shape, eps, memory_efficient, out_dtype);
   return {r[0], r[1]};
