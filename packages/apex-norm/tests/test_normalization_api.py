@@ -307,6 +307,70 @@ def test_jit_trace_gives_no_tracer_warnings():
         torch.testing.assert_close(traced(x), m(x))
 
 
+MODULES = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"]
+
+
+def test_jit_trace_saves_and_script_compiles():
+    """torch.jit.trace of a module records torch's own operators (the plain math), so the traced
+    module can be saved and loaded (the autograd Functions cannot be saved); torch.jit.script
+    compiles the modules (TorchScript's own copy of the math). Both give the eager outputs and
+    dtypes, the Mixed* rule included (float32 input, bfloat16 weight: bfloat16 out)."""
+    import io
+
+    for name in MODULES:
+        m = getattr(norm, name)(8)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn_like(p))
+        for pdtype in (torch.float32, torch.bfloat16):
+            m = m.to(pdtype)
+            buffer = io.BytesIO()
+            torch.jit.save(torch.jit.trace(m, torch.randn(2, 8)), buffer)
+            buffer.seek(0)
+            loaded = torch.jit.load(buffer)
+            scripted = torch.jit.script(m)
+            x = torch.randn(5, 3, 8)
+            want = m(x)
+            for got in (loaded(x), scripted(x)):
+                assert got.dtype == want.dtype, (name, pdtype)
+                torch.testing.assert_close(got, want, msg=f"{name} {pdtype}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("name", MODULES)
+def test_output_can_be_modified_in_place(device, name):
+    """As after torch's norms: the output is a tensor of its own (not a view made inside the
+    autograd Function, which autograd forbids to modify in place), so y.mul_(2), y += 1 and
+    ReLU(inplace=True) work while autograd records, and the gradients are right. Also the
+    float64 path on CUDA (the reference)."""
+    for dtype in (torch.float32, torch.float64):
+        m = getattr(norm, name)(16).to(device=device, dtype=dtype)
+        x = make((4, 3, 16), dtype, device, requires_grad=True)
+        y = m(x)
+        assert y._base is None
+        dy = torch.randn_like(y)
+        want = torch.autograd.grad(y, [x, *m.parameters()], dy * 2)
+        y = m(x)
+        y.mul_(2)
+        torch.nn.ReLU(inplace=True)(m(x).detach())  # and on a result that needs no grad
+        got = torch.autograd.grad(y, [x, *m.parameters()], dy)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        with torch.no_grad():
+            m(x).add_(1)
+
+
+def test_op_outputs_are_not_views():
+    """The ops' outputs on the CPU (the reference) are tensors of their own."""
+    x, w, b = torch.randn(4, 3, 8), torch.randn(8), torch.randn(8)
+    for out in (
+        *torch.ops.apex_norm.layer_norm_fwd(x, w, b, [8], 1e-5),
+        *torch.ops.apex_norm.rms_norm_fwd(x, w, [8], 1e-5),
+        *torch.ops.apex_norm.layer_norm_fwd(x, None, None, [3, 8], 1e-5, False, torch.bfloat16),
+    ):
+        assert out._base is None
+
+
 def test_module_global_fused_layer_norm_cuda():
     """apex's module global: importable by name (None until a module is built, as in apex), then
     the fused_layer_norm_cuda module; Megatron forks import it and load it themselves if None."""

@@ -280,20 +280,22 @@ def _exporting() -> bool:
 
 def _plain_math() -> bool:
     """In eager code under a torch.func transform (vmap, grad, jacrev, jvp, ...) or inside a
-    forward-mode AD dual level, or while exporting to ONNX."""
+    forward-mode AD dual level, while tracing (torch.jit.trace: the traced graph then holds
+    torch's own operators, which torch.jit.save can write, as apex's traced modules held
+    F.layer_norm), or while exporting to ONNX."""
     if torch.compiler.is_compiling():
         return _exporting()
-    return _functorch_active() or _dual_level._current_level >= 0 or _exporting()
+    return _functorch_active() or _dual_level._current_level >= 0 or torch.jit.is_tracing()
 
 
 def _plain_ln(input, weight, bias, normalized_shape, eps, mixed):
     shape, out_dtype = _checked(input, normalized_shape, weight, bias, mixed)
-    return reference.layer_norm_fwd(input, weight, bias, shape, eps, False, out_dtype)[0]
+    return reference.layer_norm_out(input, weight, bias, shape, eps, out_dtype)
 
 
 def _plain_rms(input, weight, normalized_shape, eps, mixed):
     shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
-    return reference.rms_norm_fwd(input, weight, shape, eps, False, out_dtype)[0]
+    return reference.rms_norm_out(input, weight, shape, eps, out_dtype)
 
 
 # -- the eager CUDA path -------------------------------------------------------------------------
@@ -418,6 +420,41 @@ def manual_rms_norm(input, normalized_shape, weight, eps):
     return weight * input
 
 
+# -- TorchScript ---------------------------------------------------------------------------------
+# torch.jit.script of a module compiles only this (apex's modules fell back to torch's own norms
+# when scripted): the reference math in TorchScript, with the dtype rule of the other forms.
+
+
+def _script_norm(
+    input: torch.Tensor,
+    normalized_shape: list[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    mixed: bool,
+) -> torch.Tensor:
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    out_dtype = input.dtype
+    if weight is not None:
+        if mixed or (
+            input.dtype == torch.float32 and weight.dtype in [torch.float16, torch.bfloat16]
+        ):
+            out_dtype = weight.dtype
+    dims: list[int] = []
+    for i in range(len(normalized_shape)):
+        dims.append(i - len(normalized_shape))
+    x = input.to(acc)
+    if not rms:
+        x = x - x.mean(dims, keepdim=True)
+    y = x * torch.rsqrt((x * x).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(out_dtype)
+
+
 # -- modules -------------------------------------------------------------------------------------
 
 
@@ -473,6 +510,10 @@ class FusedLayerNorm(torch.nn.Module):
             init.zeros_(self.bias)
 
     def forward(self, input):
+        if torch.jit.is_scripting():
+            return _script_norm(
+                input, list(self.normalized_shape), self.weight, self.bias, self.eps, False, False
+            )
         if self.elementwise_affine:
             return fused_layer_norm_affine(
                 input,
@@ -524,6 +565,10 @@ class FusedRMSNorm(torch.nn.Module):
             init.ones_(self.weight)
 
     def forward(self, input):
+        if torch.jit.is_scripting():
+            return _script_norm(
+                input, list(self.normalized_shape), self.weight, None, self.eps, True, False
+            )
         if self.elementwise_affine:
             return fused_rms_norm_affine(
                 input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
@@ -558,6 +603,10 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         super().__init__(normalized_shape, eps, True, memory_efficient, **factory)
 
     def forward(self, input):
+        if torch.jit.is_scripting():
+            return _script_norm(
+                input, list(self.normalized_shape), self.weight, self.bias, self.eps, False, True
+            )
         return mixed_dtype_fused_layer_norm_affine(
             input, self.weight, self.bias, self.normalized_shape, self.eps, self.memory_efficient
         )
@@ -571,6 +620,10 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         super().__init__(normalized_shape, eps, True, memory_efficient, **factory)
 
     def forward(self, input):
+        if torch.jit.is_scripting():
+            return _script_norm(
+                input, list(self.normalized_shape), self.weight, None, self.eps, True, True
+            )
         return mixed_dtype_fused_rms_norm_affine(
             input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
         )

@@ -184,9 +184,9 @@ def layer_norm_grads(ctx, grad_out):
     both. Under create_graph=True, differentiable ones (``grads_with_graph``)."""
     x_or_y, mean, invvar, weight, bias = ctx.saved_tensors
     if torch.is_grad_enabled():
-        forward = lambda: reference.layer_norm_fwd(  # noqa: E731
-            x_or_y, weight, bias, ctx.normalized_shape, ctx.eps, False, ctx.out_dtype
-        )[0]
+        forward = lambda: reference.layer_norm_out(  # noqa: E731
+            x_or_y, weight, bias, ctx.normalized_shape, ctx.eps, ctx.out_dtype
+        )
         return grads_with_graph(ctx, grad_out, forward, (x_or_y, weight, bias))
     return layer_norm_bwd(
         grad_out.contiguous(),
@@ -207,9 +207,9 @@ def rms_norm_grads(ctx, grad_out):
     as layer_norm_grads."""
     x_or_y, invvar, weight = ctx.saved_tensors
     if torch.is_grad_enabled():
-        forward = lambda: reference.rms_norm_fwd(  # noqa: E731
-            x_or_y, weight, ctx.normalized_shape, ctx.eps, False, ctx.out_dtype
-        )[0]
+        forward = lambda: reference.rms_norm_out(  # noqa: E731
+            x_or_y, weight, ctx.normalized_shape, ctx.eps, ctx.out_dtype
+        )
         return grads_with_graph(ctx, grad_out, forward, (x_or_y, weight))
     return rms_norm_bwd(
         grad_out.contiguous(),

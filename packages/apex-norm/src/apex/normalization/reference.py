@@ -31,6 +31,40 @@ def clamp_by_magnitude(w: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(w >= 0, w.clamp(min=eps), w.clamp(max=-eps))
 
 
+def _stats_shape(t: torch.Tensor, normalized_shape) -> list[int]:
+    """The shape torch's native layer norm gives its statistics: the leading dims, then ones."""
+    k = len(normalized_shape)
+    return [*t.shape[: t.dim() - k], *([1] * k)]
+
+
+def _native(rows: int, cols: int) -> bool:
+    """Whether the LayerNorm here runs torch's own (aten's native_layer_norm and its backward,
+    in the statistics' dtype): rows and columns to normalise (else the plain math below, whose
+    empty reductions give the NaN statistics the kernels give)."""
+    return rows > 0 and cols > 0
+
+
+def layer_norm_out(input, weight, bias, normalized_shape, eps, out_dtype=None) -> torch.Tensor:
+    """LayerNorm's output alone (the plain math of torch.func, forward-mode AD, tracing and ONNX
+    export, and the forward that create_graph differentiates): torch's ``F.layer_norm`` on the
+    operands cast to the statistics' dtype, then the output dtype. No branch on the sizes (a
+    traced size would warn) and standard operators only (ONNX LayerNormalization)."""
+    acc = _stat_dtype(input.dtype)
+    # A bias without a weight is added after: torch's double backward of layer_norm gets that
+    # case wrong (torch 2.13: gradgradcheck of F.layer_norm(x, shape, None, bias) fails).
+    late_bias = weight is None and bias is not None
+    y = torch.nn.functional.layer_norm(
+        input.to(acc),
+        list(normalized_shape),
+        weight.to(acc) if weight is not None else None,
+        bias.to(acc) if bias is not None and not late_bias else None,
+        eps,
+    )
+    if late_bias:
+        y = y + bias.to(acc)
+    return y.to(out_dtype or input.dtype)
+
+
 def layer_norm_fwd(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -41,20 +75,38 @@ def layer_norm_fwd(
     out_dtype: torch.dtype | None = None,
 ):
     """Returns ``(out, mean, invvar)``; ``out`` has ``input``'s shape and ``out_dtype`` (default:
-    input's dtype), ``mean`` and ``invvar`` are 1-D of length rows."""
+    input's dtype), ``mean`` and ``invvar`` are 1-D of length rows. Every output is a tensor of
+    its own, not a view (an in-place op on the output, as after torch's norms, must work).
+
+    torch's own LayerNorm (aten's native_layer_norm) on the input, weight and bias cast to the
+    statistics' dtype: as fast as torch's on the CPU (this is apex's CPU path, which was
+    ``F.layer_norm``), and differentiable twice, batched and forward-differentiable by torch
+    (the plain math of torch.func, forward-mode AD and tracing runs this)."""
     acc = _stat_dtype(input.dtype)
     rows, cols = _rows(input, normalized_shape)
-    x = input.reshape(rows, cols).to(acc)
-    mean = x.mean(dim=1)
-    centred = x - mean[:, None]
-    invvar = torch.rsqrt((centred * centred).mean(dim=1) + eps)
-    y = centred * invvar[:, None]
-    if weight is not None:
-        y = y * weight.reshape(1, cols).to(acc)
-    if bias is not None:
-        y = y + bias.reshape(1, cols).to(acc)
-    out = y.to(out_dtype or input.dtype).reshape(input.shape)
-    return out, mean, invvar
+    if not _native(rows, cols):
+        x = input.reshape(rows, cols).to(acc)
+        mean = x.mean(dim=1)
+        centred = x - mean[:, None]
+        invvar = torch.rsqrt((centred * centred).mean(dim=1) + eps)
+        y = centred * invvar[:, None]
+        if weight is not None:
+            y = y * weight.reshape(1, cols).to(acc)
+        if bias is not None:
+            y = y + bias.reshape(1, cols).to(acc)
+        return y.to(out_dtype or input.dtype).reshape(input.shape).clone(), mean, invvar
+    # Every operand in the statistics' dtype: torch's mixed-dtype kernels (16-bit input with a
+    # float32 weight) are faster, but on the CPU they normalise a constant 16-bit row of a large
+    # value (1000 in float16) to up to 1.5 instead of 0 (test_16bit_constant_and_large_mean_rows).
+    y, mean, invvar = torch.native_layer_norm(
+        input.to(acc),
+        list(normalized_shape),
+        weight.to(acc) if weight is not None else None,
+        bias.to(acc) if bias is not None else None,
+        eps,
+    )
+    # The statistics come as [leading dims, 1, ...]: flattened into tensors of their own.
+    return y.to(out_dtype or input.dtype), mean.reshape(rows).clone(), invvar.reshape(rows).clone()
 
 
 def _xhat(
@@ -107,6 +159,25 @@ def layer_norm_bwd(
         raise NormValueError(
             f"layer_norm_bwd: mean must hold one value per row ({rows}) unless memory_efficient"
         )
+    if not memory_efficient and _native(rows, cols):
+        # torch's own backward, from the input and the forward's statistics.
+        stats = _stats_shape(input_or_output, normalized_shape)
+        gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad_output.to(acc),
+            input_or_output.to(acc),
+            list(normalized_shape),
+            mean.to(acc).reshape(stats),
+            invvar.to(acc).reshape(stats),
+            weight.to(acc) if weight is not None else None,
+            bias.to(acc) if bias is not None else None,
+            [True, weight is not None, bias is not None],
+        )
+        empty = grad_output.new_empty((0,), dtype=acc)
+        return (
+            gi.to(grad_input_dtype or input_or_output.dtype),
+            gw.to(weight.dtype) if weight is not None else empty,
+            gb.to(bias.dtype) if bias is not None else empty.clone(),
+        )
     xhat = _xhat(
         input_or_output, mean, invvar, weight, bias, eps, memory_efficient, rows, cols, acc
     )
@@ -128,14 +199,26 @@ def rms_norm_fwd(
     out_dtype: torch.dtype | None = None,
 ):
     """Returns ``(out, invvar)`` with invvar = 1 / sqrt(mean(x^2) + eps) per row."""
+    y, invvar = _rms(input, weight, normalized_shape, eps, out_dtype)
+    return y, invvar.reshape(_rows(input, normalized_shape)[0]).clone()
+
+
+def rms_norm_out(input, weight, normalized_shape, eps, out_dtype=None) -> torch.Tensor:
+    """RMSNorm's output alone (as layer_norm_out)."""
+    return _rms(input, weight, normalized_shape, eps, out_dtype)[0]
+
+
+def _rms(input, weight, normalized_shape, eps, out_dtype):
+    # In the input's own shape (the sums over its trailing dims, kept), so that the output is a
+    # tensor of its own, not a view of a [rows, cols] one.
     acc = _stat_dtype(input.dtype)
-    rows, cols = _rows(input, normalized_shape)
-    x = input.reshape(rows, cols).to(acc)
-    invvar = torch.rsqrt((x * x).mean(dim=1) + eps)
-    y = x * invvar[:, None]
+    x = input.to(acc)
+    dims = list(range(-len(normalized_shape), 0))
+    invvar = torch.rsqrt((x * x).mean(dim=dims, keepdim=True) + eps)
+    y = x * invvar
     if weight is not None:
-        y = y * weight.reshape(1, cols).to(acc)
-    return y.to(out_dtype or input.dtype).reshape(input.shape), invvar
+        y = y * weight.to(acc)
+    return y.to(out_dtype or input.dtype), invvar
 
 
 def rms_norm_bwd(
