@@ -193,6 +193,20 @@ def test_integer_input():
         fln.fused_rms_norm_affine(torch.randn(2, 4), torch.ones(4, dtype=torch.int32), (4,))
 
 
+def test_normalized_shape_as_integer_tensors():
+    """apex built torch.Size(normalized_shape), which takes integer tensors (1-D, or 0-dim
+    elements): so do the modules and the functional forms."""
+    x = torch.randn(2, 3, 4)
+    for shape in (torch.tensor([4]), torch.tensor(4), [torch.tensor(3), torch.tensor(4)]):
+        for cls in (norm.FusedLayerNorm, norm.FusedRMSNorm, norm.MixedFusedLayerNorm):
+            m = cls(shape)
+            assert isinstance(m.normalized_shape, torch.Size)
+            assert m(x).shape == x.shape
+        assert fln.fused_layer_norm(x, shape).shape == x.shape
+    with pytest.raises(TypeError, match="normalized_shape must be an int"):
+        norm.FusedLayerNorm(torch.tensor([4.0]))
+
+
 def test_bad_normalized_shape_values():
     with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):
         fln.fused_layer_norm(torch.randn(2, 4), "4")
@@ -222,6 +236,43 @@ def test_bad_arguments_are_runtime_errors_too():
     with pytest.raises(RuntimeError, match="mean must hold one value per row"):
         flc.backward_affine(x, None, torch.ones(2), x, (4,), torch.ones(4), torch.zeros(4), 1e-5)
     assert issubclass(ops.NormValueError, ValueError) and issubclass(ops.NormTypeError, TypeError)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_raw_ops_check_their_arguments(device):
+    """The raw ops and the legacy module's backward functions refuse what does not fit, on the
+    CPU (the reference, checked first) as the CUDA kernels do, with a ValueError / TypeError
+    naming the argument: before, the CPU normalised over the wrong dimensions, took integer
+    input, and read a grad_output of another shape."""
+    ops_ = torch.ops.apex_norm
+    flc = importlib.import_module("fused_layer_norm_cuda")
+    x = make((2, 8), torch.float32, device)
+    w, b = torch.ones(8, device=device), torch.zeros(8, device=device)
+    out, mean, invvar = flc.forward_affine(x, (8,), w, b, 1e-5)
+    cases = [
+        (ValueError, "does not match", lambda: ops_.layer_norm_fwd(x, None, None, [2, 4], 1e-5)),
+        (ValueError, "does not match", lambda: ops_.rms_norm_fwd(x, None, [9], 1e-5)),
+        (TypeError, "dtype", lambda: ops_.rms_norm_fwd(x.long(), None, [8], 1e-5)),
+        (ValueError, "weight has", lambda: ops_.layer_norm_fwd(x, w[:3], None, [8], 1e-5)),
+        (
+            ValueError,
+            "grad_output has shape",
+            lambda: flc.backward_affine(x.reshape(8, 2), mean, invvar, x, (8,), w, b, 1e-5),
+        ),
+        (
+            ValueError,
+            "invvar must hold one value per row",
+            lambda: flc.backward_affine(x, mean, invvar[:1], x, (8,), w, b, 1e-5),
+        ),
+        (
+            ValueError,
+            "grad_output has shape",
+            lambda: ops_.rms_norm_bwd(x[:1], invvar, x, [8], None, 1e-5),
+        ),
+    ]
+    for kind, message, call in cases:
+        with pytest.raises(kind, match=message):
+            call()
 
 
 # -- other devices, torch.func, forward-mode AD, apex's module global ---------------------------

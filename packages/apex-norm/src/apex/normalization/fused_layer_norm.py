@@ -459,8 +459,8 @@ def _script_norm(
 
 
 def _as_size(normalized_shape) -> torch.Size:
-    if isinstance(normalized_shape, numbers.Integral):
-        normalized_shape = (normalized_shape,)
+    if isinstance(normalized_shape, numbers.Integral) or ops._is_int_tensor(normalized_shape):
+        return torch.Size(ops.as_normalized_shape(normalized_shape))
     return torch.Size(ops.as_normalized_shape(tuple(normalized_shape)))
 
 

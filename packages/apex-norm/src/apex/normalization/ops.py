@@ -28,6 +28,7 @@ arguments: the functions in this module and in fused_layer_norm.py check them fi
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -140,11 +141,57 @@ _FAKES = {
 }
 
 
+def _checked_reference(name: str):
+    """The reference as the ops' kernel for every device but CUDA's compiled one (the CPU, and
+    CUDA without the library): the arguments checked first, as the CUDA kernels check them
+    (csrc/layer_norm.cu), with NormValueError / NormTypeError naming the argument. The Python
+    entry points check before they call it; these checks are for the raw ops and the legacy
+    module's backward functions."""
+    ref = getattr(reference, name)
+    signature = inspect.signature(ref)
+
+    def kernel(*args, **kwargs):
+        # The dispatcher leaves out trailing arguments equal to their defaults.
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        _check_op_arguments(name, bound.arguments)
+        return ref(*args, **kwargs)
+
+    kernel.__name__ = f"{name}_reference"
+    return kernel
+
+
+def _check_op_arguments(name: str, a: dict) -> None:
+    if name.endswith("_fwd"):
+        validate(a["input"], a["normalized_shape"], a["weight"], a.get("bias"))
+        return
+    x = a["input_or_output"]
+    shape = validate(x, a["normalized_shape"], a["weight"], a.get("bias"))
+    g = a["grad_output"]
+    if not isinstance(g, torch.Tensor) or g.dtype not in SUPPORTED_DTYPES:
+        raise NormTypeError(f"{name}: grad_output must be a floating tensor ({_NAMES})")
+    if g.shape != x.shape or g.device != x.device:
+        raise NormValueError(
+            f"{name}: grad_output has shape {list(g.shape)} on {g.device} but input_or_output "
+            f"has shape {list(x.shape)} on {x.device}; they must match"
+        )
+    rows = _rows(x, shape)
+    stats = [("invvar", a["invvar"])]
+    if name == "layer_norm_bwd" and not a["memory_efficient"]:
+        stats.append(("mean", a["mean"]))  # the reference names its absence itself
+    for stat, t in stats:
+        if t is not None and (t.numel() != rows or t.device != x.device):
+            raise NormValueError(
+                f"{name}: {stat} must hold one value per row ({rows}) on {x.device}, got "
+                f"{t.numel()} on {t.device}"
+            )
+
+
 def _define():
     from apex.multi_tensor_apply.build.oplib import define_ops
 
     return define_ops(
-        "apex_norm", NORM, SCHEMAS, {n: getattr(reference, n) for n in SCHEMAS}, _FAKES
+        "apex_norm", NORM, SCHEMAS, {n: _checked_reference(n) for n in SCHEMAS}, _FAKES
     )
 
 
@@ -283,8 +330,20 @@ OPS.register_autograd("rms_norm_fwd", _rms_backward, _rms_setup)
 # NormTypeError / NormValueError (_errors.py): TypeError / ValueError that are RuntimeErrors too.
 
 
+def _is_int_tensor(t) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and (t.dtype != torch.bool)
+    )
+
+
 def _is_dim(d) -> bool:
-    # numbers.Integral: numpy's ints too (apex, through torch.Size, takes them); never a bool.
+    # numbers.Integral: numpy's ints too (apex, through torch.Size, takes them), and 0-dim
+    # integer tensors (torch.Size takes those too); never a bool.
+    if _is_int_tensor(d):
+        return d.dim() == 0
     return isinstance(d, (numbers.Integral, torch.SymInt)) and not isinstance(d, bool)
 
 
@@ -303,6 +362,8 @@ def as_normalized_shape(normalized_shape) -> list[int]:
         shape = list(normalized_shape)  # the common case, kept cheap: it runs on every call
     elif _is_dim(normalized_shape):
         shape = [_dim(normalized_shape)]
+    elif _is_int_tensor(normalized_shape) and normalized_shape.dim() == 1:
+        shape = [int(d) for d in normalized_shape.tolist()]  # as torch.Size(tensor) in apex
     elif isinstance(normalized_shape, Sequence) and all(_is_dim(d) for d in normalized_shape):
         shape = [_dim(d) for d in normalized_shape]
     else:
