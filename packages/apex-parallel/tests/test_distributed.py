@@ -238,11 +238,53 @@ def _worker(rank, world):
         torch.testing.assert_close(bucket[0], torch.full((3,), mean))
         torch.testing.assert_close(bucket[1], torch.full((2,), mean + 1))
         assert len(ddp.allreduce_buffers) == 1
-        flat = DDP(_model(), gradient_average=False).allreduce_bucket([torch.ones(2)], 1)
-        torch.testing.assert_close(flat, torch.full((2,), float(world)))
+        bucket = [torch.ones(2), torch.full((3,), float(rank))]
+        flat = DDP(_model(), gradient_average=False).allreduce_bucket(bucket, 1)
+        torch.testing.assert_close(flat[:2], torch.full((2,), float(world)))
+        # apex writes the result back into the bucket unless retain_allreduce_buffers.
+        torch.testing.assert_close(bucket[0], torch.full((2,), float(world)))
+        torch.testing.assert_close(bucket[1], torch.full((3,), world * (world - 1) / 2))
+        half = [torch.full((2,), float(rank), dtype=torch.bfloat16)]
+        flat = DDP(_model(), allreduce_always_fp32=True).allreduce_bucket(half, 0)
+        assert flat.dtype == torch.bfloat16  # the bucket's dtype, as apex returns it
+        torch.testing.assert_close(half[0].float(), torch.full((2,), mean))
+        d = DDP(_model())
+        d.needs_refresh = True  # apex's attribute: the buckets are rebuilt at the next forward
+        assert d.needs_refresh and d._refresh
+        d._disable_allreduce = True
+        assert not d.needs_reduction
+        d.enable_allreduce()
+        assert d._disable_allreduce is False
         results["bucket_helpers"] = None
     except Exception as e:
         results["bucket_helpers"] = f"rank {rank}: {type(e).__name__}: {e}"
+    dist.barrier()
+
+    try:
+        # A branch taken on rank 0 only, so one layer has a gradient there and None elsewhere,
+        # and a layer no rank uses: every mode reduces the first on every rank (zeros where it
+        # had none; delay_allreduce used to pair all_reduces of different sizes) and leaves the
+        # second None under delay_allreduce, as apex.
+        for kw in ({"delay_allreduce": True}, {}):
+            torch.manual_seed(0)
+            a, b, spare = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(2, 2)
+            model = torch.nn.ModuleList([a, b, spare])
+            ref_b = torch.nn.Linear(4, 4)
+            ref_b.load_state_dict(b.state_dict())
+            ddp = DDP(model, **kw)
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                ddp._begin_iteration()
+                h = a(torch.ones(2, 4))
+                (b(h) if rank == 0 else h).sum().backward()
+            ref_b.zero_grad(set_to_none=True)
+            ref_b(a(torch.ones(2, 4)).detach()).sum().backward()
+            torch.testing.assert_close(b.weight.grad, ref_b.weight.grad / world)
+            if kw:
+                assert spare.weight.grad is None, "a parameter no rank used got a gradient"
+        results["uneven_unused"] = None
+    except Exception as e:
+        results["uneven_unused"] = f"rank {rank}: {type(e).__name__}: {e}"
     dist.barrier()
 
     try:
@@ -279,7 +321,15 @@ def _results(world):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize(
     "case",
-    [*CASES, "syncbn_under_ddp", "flat_dist_call", "reducer", "bucket_helpers", "bad_arguments"],
+    [
+        *CASES,
+        "syncbn_under_ddp",
+        "flat_dist_call",
+        "reducer",
+        "bucket_helpers",
+        "uneven_unused",
+        "bad_arguments",
+    ],
 )
 def test_ddp_matches_one_process_over_the_whole_batch(world, case):
     errors = [r[case] for r in _results(world) if r[case] is not None]

@@ -83,3 +83,17 @@ def test_larc_step_takes_no_closure():
     opt = LARC(torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1))
     with pytest.raises(TypeError):
         opt.step(lambda: 0.0)
+
+
+def test_larc_is_a_submodule_of_apex_parallel_as_in_apex():
+    """apex's apex/parallel/__init__.py did not import the class: after `import apex.parallel`,
+    `apex.parallel.LARC` is the submodule, and clients write `apex.parallel.LARC.LARC(opt)`
+    (bitsandbytes' tests, LARS branches of optimizer builders) as well as
+    `from apex.parallel.LARC import LARC`."""
+    import types
+
+    import apex.parallel
+
+    assert isinstance(apex.parallel.LARC, types.ModuleType)
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+    assert isinstance(apex.parallel.LARC.LARC(inner, trust_coefficient=0.001), LARC)

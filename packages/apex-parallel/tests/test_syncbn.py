@@ -152,6 +152,42 @@ def test_module_path_and_repr():
 # ---- bad input --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_empty_batch_leaves_the_running_statistics(device, momentum):
+    """A batch of no rows (here, the whole world's): the running estimates stay where they were
+    (they were pulled toward 0 before), num_batches_tracked counts the step, as torch's
+    BatchNorm does; the output is empty."""
+    ref, sbn = _pair(4, momentum=momentum)
+    ref, sbn = ref.to(device), sbn.to(device)
+    for m in (ref, sbn):
+        m.running_mean.fill_(1.0)
+        m.running_var.fill_(2.0)
+    x = torch.randn(0, 4, 3, 2, device=device)
+    assert sbn(x).shape == x.shape
+    ref(x)
+    torch.testing.assert_close(sbn.running_mean, ref.running_mean, atol=0, rtol=0)
+    torch.testing.assert_close(sbn.running_var, ref.running_var, atol=0, rtol=0)
+    assert sbn.num_batches_tracked.item() == ref.num_batches_tracked.item() == 1
+    assert sbn.running_mean.eq(1.0).all() and sbn.running_var.eq(2.0).all()
+
+
+def test_eval_takes_what_torch_batch_norm_takes():
+    """apex's eval path (running statistics, no channel_last, z or fused ReLU) is torch's
+    batch_norm: float64 and 6-D input too, as there."""
+    for m, x in (
+        (SyncBatchNorm(3).double().eval(), torch.randn(2, 3, 4, 4, dtype=torch.float64)),
+        (SyncBatchNorm(3).eval(), torch.randn(2, 3, 2, 2, 2, 2)),
+    ):
+        with torch.no_grad():
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+        want = torch.nn.functional.batch_norm(
+            x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps
+        )
+        torch.testing.assert_close(m(x), want, atol=0, rtol=0)
+
+
 def test_wrong_rank_input_is_refused():
     with pytest.raises(ValueError, match="expected a 2-D to 5-D input"):
         SyncBatchNorm(4)(torch.randn(4))

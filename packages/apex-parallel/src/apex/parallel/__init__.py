@@ -27,7 +27,6 @@ __all__ = [
     "SyncBatchNorm",
     "convert_syncbn_model",
     "create_syncbn_process_group",
-    "LARC",
 ]
 
 
@@ -64,8 +63,8 @@ _check_environment()
 import torch  # noqa: E402
 import torch.distributed as _dist  # noqa: E402
 
+from . import LARC  # noqa: E402, F401  (the submodule, as apex: apex.parallel.LARC.LARC(opt))
 from .distributed import DistributedDataParallel, Reducer  # noqa: E402
-from .LARC import LARC  # noqa: E402
 from .optimized_sync_batchnorm import SyncBatchNorm  # noqa: E402
 
 ReduceOp = _dist.ReduceOp if _dist.is_available() else None

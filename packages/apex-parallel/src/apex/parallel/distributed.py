@@ -295,6 +295,24 @@ class DistributedDataParallel(torch.nn.Module):
 
     # -- public apex API ------------------------------------------------------------------------
 
+    # apex's attributes for these two (a client may set them): needs_refresh rebuilds the
+    # bucket structure at the next forward; _disable_allreduce is disable_allreduce()'s flag.
+    @property
+    def needs_refresh(self):
+        return self._refresh
+
+    @needs_refresh.setter
+    def needs_refresh(self, value):
+        self._refresh = bool(value)
+
+    @property
+    def _disable_allreduce(self):
+        return not self.needs_reduction
+
+    @_disable_allreduce.setter
+    def _disable_allreduce(self, value):
+        self.needs_reduction = not value
+
     def enable_allreduce(self):
         self.needs_reduction = True
 
@@ -333,8 +351,19 @@ class DistributedDataParallel(torch.nn.Module):
         self._build_buckets([int(i) for i in t.tolist()])
 
     def allreduce_fallback(self):
-        """Reduce every gradient at once in per-type buckets (delay_allreduce, first iteration)."""
-        params = [p for p in self._active_params if p.grad is not None]
+        """Reduce every gradient at once in per-type buckets (delay_allreduce). Which parameters
+        take part is agreed across ranks first (one small all_reduce of flags): one that has a
+        gradient on any rank is reduced on every rank, with zeros where it has none; one that
+        has none anywhere keeps None. (apex took each rank's own parameters with gradients, so
+        ranks that disagreed, a branch taken on one rank only, paired all_reduces of different
+        sizes: gloo aborts, NCCL hangs or mixes the data.)"""
+        params = self._active_params
+        has = [p.grad is not None for p in params]
+        if self.world_size > 1 and params:
+            flags = torch.tensor(has, dtype=torch.int32, device=self._comm_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group(0))
+            has = [bool(v) for v in flags.tolist()]
+        params = [p for p, h in zip(params, has) if h]
         chunks = list(split_by_type(params).values())
         self.allreduce_buffers = []
         for i, chunk in enumerate(chunks):
@@ -343,23 +372,35 @@ class DistributedDataParallel(torch.nn.Module):
             self._finish(bucket)
 
     def allreduce_bucket(self, bucket, bucket_idx=0, force_default_stream=False):
-        """The flat, reduced (and, with ``gradient_average``, averaged) copy of the tensors in
-        ``bucket``, with this module's options; waits for the result. The reduction runs on the
-        current stream (through the process group that bucket ``bucket_idx`` would take), so
-        ``force_default_stream`` (apex's argument) changes nothing."""
+        """As apex: the tensors of ``bucket`` reduced (and, with ``gradient_average``, averaged)
+        with this module's options into one flat tensor of their dtype, which is returned, and
+        written back into them unless ``retain_allreduce_buffers``; waits for the result. The
+        reduction runs on the current stream (through the process group that bucket
+        ``bucket_idx`` would take), so ``force_default_stream`` changes nothing."""
+        tensors = list(bucket)
         with torch.no_grad():
-            flat = self._flat_to_reduce(list(bucket))
-            dist.all_reduce(flat, group=self._group(bucket_idx))
-            self._average_(flat)
+            flat = flatten(tensors)
+            reduced = flat
+            if self.allreduce_always_fp32 and flat.dtype != torch.float32:
+                reduced = flat.float()
+            _scale_(reduced, 1.0 / self.gradient_predivide_factor)
+            dist.all_reduce(reduced, group=self._group(bucket_idx))
+            self._average_(reduced)
+            if reduced is not flat:
+                flat.copy_(reduced)
+            if not self.retain_allreduce_buffers:
+                _copy_all_(tensors, unflatten(flat, tensors))
         return flat
 
     def allreduce_maybe_retain(self, bucket, bucket_idx=0, force_default_stream=False):
-        """Reduce ``bucket`` (as allreduce_bucket) and write the result back into its tensors;
-        with ``retain_allreduce_buffers`` the flat result is kept in ``allreduce_buffers``."""
+        """Reduce ``bucket`` (allreduce_bucket); with ``retain_allreduce_buffers`` its tensors
+        become views into the flat result (apex's ``grad.data = view``), which is kept in
+        ``allreduce_buffers``."""
         flat = self.allreduce_bucket(bucket, bucket_idx, force_default_stream)
-        with torch.no_grad():
-            _copy_all_(list(bucket), unflatten(flat, bucket))
         if self.retain_allreduce_buffers:
+            with torch.no_grad():
+                for t, view in zip(bucket, unflatten(flat, bucket)):
+                    t.data = view
             self.allreduce_buffers.append(flat)
         return flat
 

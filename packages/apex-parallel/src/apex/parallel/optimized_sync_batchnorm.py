@@ -176,6 +176,19 @@ class SyncBatchNorm(_BatchNorm):
         return self.weight, self.bias, self.running_mean, self.running_var, nbt
 
     def forward(self, input, z=None):
+        if (
+            not self.training
+            and self.track_running_stats
+            and not self.channel_last
+            and not self.fuse_relu
+            and z is None
+        ):
+            # apex's eval path: torch's batch_norm with the running estimates, which takes any
+            # floating dtype (float64 too) and any rank; its own errors for the rest.
+            weight, bias, running_mean, running_var, _ = self._tensors()
+            return torch.nn.functional.batch_norm(
+                input, running_mean, running_var, weight, bias, False, 0.0, self.eps
+            )
         self._check_input_dim(input)
         layout = self._layout(input)
         if z is not None and z.shape != input.shape:

@@ -184,9 +184,13 @@ def syncbn_forward(
             factor = 1.0 / num_batches_tracked.to(device=mean.device, dtype=torch.float32)
         else:
             factor = torch.tensor(0.0, device=mean.device)
+        # No rows anywhere (an empty batch on every rank): the estimates stay, as torch's
+        # BatchNorm leaves them (num_batches_tracked still counts the step).
+        seen = counts.sum() > 0
         for buf, new in ((running_mean, mean), (running_var, var_u)):
             if buf is not None:
-                buf.copy_(torch.lerp(buf.float(), new, factor).to(buf.dtype))
+                old = buf.float()
+                buf.copy_(torch.where(seen, torch.lerp(old, new, factor), old).to(buf.dtype))
     out = _like_input(batchnorm_forward(input, mean, inv_std, weight, bias, z, fuse_relu), input)
     return out, torch.cat([mean, inv_std, counts.sum().view(1)])
 

@@ -607,11 +607,13 @@ __device__ __forceinline__ float running_factor(const RunningArgs& r) {
   return 0.f;
 }
 
-// Channel c's merged (mean, m2, n): saved's mean and inv_std, the running estimates.
+// Channel c's merged (mean, m2, n): saved's mean and inv_std, the running estimates (left as
+// they are where no rank had a row, n == 0, as torch's BatchNorm leaves them).
 __device__ __forceinline__ void merge_out(const RunningArgs& r, int64_t C, int64_t c, float mean, float m2, float n,
                                           float factor) {
   r.saved[c] = mean;
   r.saved[C + c] = rsqrtf(m2 / fmaxf(n, 1.f) + r.eps);
+  if (!(n > 0.f)) return;
   if (r.rmean != nullptr)
     store_param(r.rmean, r.rm_dtype, c, lerp_f(load_param(r.rmean, r.rm_dtype, c, 0.f), mean, factor));
   if (r.rvar != nullptr)
