@@ -15,6 +15,8 @@
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
 #   NO_TESTS=1   compile only, no tests
+#   TEST_DIRS="packages/apex-norm/tests=240 packages/apex-parallel/tests=200 ..."  the `cuda`
+#                tests of these packages (side by side, a time limit each; default apex-norm's)
 #   BASE=dir     ours from another source tree (dir holds its packages/ and scripts/, e.g. an
 #                earlier commit's: `git archive REV packages scripts | tar x -C .gl/base`, carried)
 #                against this one, alternating, in the same run (bf16, every H, both passes);
@@ -45,7 +47,7 @@ fi
 if [ "${NO_TESTS:-0}" = 1 ]; then
   compile_only
 else
-  cuda_tests "packages/apex-norm/tests=240"
+  cuda_tests "${TEST_DIRS:-packages/apex-norm/tests=240}"
 fi
 if [ "${FWD_SWEEP:-0}" = 1 ]; then
   # The forward's shapes (2026-12-04): both norms through fwd_fast_r80 (fwd_r80=3) or RMSNorm
