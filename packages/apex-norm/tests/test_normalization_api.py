@@ -385,6 +385,13 @@ def test_jit_trace_saves_and_script_compiles():
             for got in (loaded(x), scripted(x)):
                 assert got.dtype == want.dtype, (name, pdtype)
                 torch.testing.assert_close(got, want, msg=f"{name} {pdtype}")
+            # torch's operators only: loadable where this package is not installed
+            assert "apex_norm" not in str(loaded.graph) + str(loaded.code)
+            # the scripted copy checks its arguments as the eager forms do
+            with pytest.raises(torch.jit.Error, match="does not match the trailing"):
+                scripted(torch.randn(2, 1))
+            with pytest.raises(torch.jit.Error, match="dtype"):
+                scripted(torch.ones(2, 8, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

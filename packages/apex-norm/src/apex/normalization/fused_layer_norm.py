@@ -262,10 +262,11 @@ class FusedRMSNormFunction(torch.autograd.Function):
         return gi, None, None, None
 
 
-# -- the plain-torch math: ONNX export, torch.func transforms, forward-mode AD ------------------
-# The exporter has no ONNX function for the apex_norm ops, and the autograd Functions have no
-# vmap or jvp rule: there the forms below run the plain-torch reference math, which exports as
-# standard ONNX operators and which torch batches and differentiates in both modes (as apex's
+# -- the plain-torch math: ONNX export, tracing, torch.func transforms, forward-mode AD ---------
+# The exporter has no ONNX function for the apex_norm ops, a traced graph holding the autograd
+# Functions cannot be saved, and the Functions have no vmap or jvp rule: there the forms below
+# run the plain-torch math (reference.layer_norm_out / rms_norm_out), which exports as standard
+# ONNX operators, saves, and which torch batches and differentiates in both modes (as apex's
 # CPU path, torch's own layer_norm, did).
 
 _dual_level = torch.autograd.forward_ad  # _current_level: -1 outside a forward-AD dual level
@@ -304,8 +305,8 @@ def _plain_rms(input, weight, normalized_shape, eps, mixed):
 # (csrc/autograd.cpp), the same math as the autograd Functions above without a Python
 # autograd.Function per call (about 30 us of host time a forward+backward on an H200's host, which
 # at small rows was longer than the kernels). Everything else keeps the Functions: the CPU, float64
-# (the reference), torch.compile and tracing, tensor subclasses, a bias whose dtype is not the
-# weight's; torch.func transforms and forward-mode AD take the plain-torch math (above).
+# (the reference), torch.compile, tensor subclasses, a bias whose dtype is not the weight's;
+# tracing, torch.func transforms and forward-mode AD take the plain-torch math (above).
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -422,7 +423,9 @@ def manual_rms_norm(input, normalized_shape, weight, eps):
 
 # -- TorchScript ---------------------------------------------------------------------------------
 # torch.jit.script of a module compiles only this (apex's modules fell back to torch's own norms
-# when scripted): the reference math in TorchScript, with the dtype rule of the other forms.
+# when scripted): the reference math in TorchScript, with the argument checks and the dtype rule
+# of the other forms, but not the eager forms' autocast casts: under torch.autocast a scripted
+# module's output has the dtype it would have outside it (eager: the autocast dtype).
 
 
 def _script_norm(
@@ -434,6 +437,21 @@ def _script_norm(
     rms: bool,
     mixed: bool,
 ) -> torch.Tensor:
+    k = len(normalized_shape)
+    if not input.is_floating_point():
+        raise TypeError(
+            f"input has dtype {input.dtype}; supported: float32, float16, bfloat16, float64"
+        )
+    if input.dim() < k or list(input.shape[input.dim() - k :]) != normalized_shape:
+        raise ValueError(
+            f"normalized_shape {normalized_shape} does not match the trailing dimensions of input "
+            f"with shape {list(input.shape)}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and list(p.shape) != normalized_shape:
+            raise ValueError(
+                f"{name} has shape {list(p.shape)} but normalized_shape is {normalized_shape}"
+            )
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     out_dtype = input.dtype
     if weight is not None:

@@ -1,5 +1,6 @@
-"""Plain-torch LayerNorm and RMSNorm: the CPU path, the fallback without compiled kernels, and the
-oracle the CUDA kernels are tested against.
+"""Plain-torch LayerNorm and RMSNorm: the CPU path, the fallback without compiled kernels, and
+the plain math of torch.func, forward-mode AD, tracing and ONNX export. (The tests hold the CUDA
+kernels and this against torch's norms in float64.)
 
 Each function has the signature of the ``apex_norm`` op of the same name (ops.py). Rows are the
 input's leading dimensions flattened; statistics are float32 (float64 for float64 input), one per
@@ -80,8 +81,8 @@ def layer_norm_fwd(
 
     torch's own LayerNorm (aten's native_layer_norm) on the input, weight and bias cast to the
     statistics' dtype: as fast as torch's on the CPU (this is apex's CPU path, which was
-    ``F.layer_norm``), and differentiable twice, batched and forward-differentiable by torch
-    (the plain math of torch.func, forward-mode AD and tracing runs this)."""
+    ``F.layer_norm``). The plain math (torch.func, forward-mode AD, tracing, ONNX, double
+    backward) is layer_norm_out."""
     acc = _stat_dtype(input.dtype)
     rows, cols = _rows(input, normalized_shape)
     if not _native(rows, cols):
