@@ -4,14 +4,17 @@ master weights, the GradScaler protocol, zero_grad and state_dict handling.
 The per-step cost on the host is the point of this module. The tensor lists a kernel takes
 (params, their state, fp32 masters), split by device and dtype, are built once per param group
 and reused while the group's params, the set of params that have a grad, and the optimizer state
-are unchanged; a step then only gathers the grads. Nothing here reads a device value on the host:
-no ``.item()``, no ``bool(tensor)``.
+are unchanged; a step then only gathers the grads (and compares their strides with the ones the
+plan was built for). Nothing here reads a device value on the host: no ``.item()``, no
+``bool(tensor)``.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,6 +29,100 @@ MASTER_KEY = "master_param"
 
 def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _layouts(t: torch.Tensor) -> int:
+    """Bit mask of the memory formats ``t`` is dense in (1 contiguous, 2 channels_last, 4 3d): the
+    kernels' rule, checked here so that a bad grad is refused before any kernel runs."""
+    m = 1 if t.is_contiguous() else 0
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        m |= 2
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        m |= 4
+    return m
+
+
+def _laid_out_like(t: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as ``dtype`` on p's device, with p's strides where it has p's shape and not its
+    strides (a channels_last checkpoint in a contiguous model, a model made channels_last after
+    a step): the kernels take each state tensor in its param's memory format."""
+    if t.shape == p.shape and t.stride() != p.stride():
+        return torch.empty_like(p, dtype=dtype).copy_(t)
+    return t.to(device=p.device, dtype=dtype)
+
+
+def _strides(tensors: list) -> list | None:
+    """Every tensor's strides, or None where one has none (a sparse grad, a missing one): what a
+    cached plan compares a step's grads with, in a C-level loop."""
+    try:
+        return list(map(torch.Tensor.stride, tensors))
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _contiguous(tensors: list) -> bool:
+    """Every tensor is contiguous (False where one is sparse or missing), in a C-level loop."""
+    try:
+        return all(map(torch.Tensor.is_contiguous, tensors))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _weights_mark(p: torch.Tensor) -> tuple[int, int]:
+    """What changes when p's values are written in place (its version) or replaced (``p.data =``,
+    ``module.to(...)``: its storage)."""
+    return p._version, p.data_ptr()
+
+
+class VersionedState(defaultdict):
+    """``optimizer.state``: torch's ``defaultdict(dict)``, counting the changes to its entries
+    (one set, replaced or deleted, as in ``opt.state[p] = {}`` or ``del opt.state[p]``), so that
+    a step tells in O(1) whether the cached plans still hold each param's state. Changes inside
+    an entry (``opt.state[p]["exp_avg"] = t``) are not counted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def __setitem__(self, key, value):
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.version += 1
+        return super().popitem()
+
+    def clear(self):
+        self.version += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self.version += 1
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self.version += 1
+        return super().__ior__(other)
+
+
+def versioned_state(state) -> VersionedState:
+    """``state`` itself if it is a VersionedState, else its entries in a new one."""
+    if isinstance(state, VersionedState):
+        return state
+    return VersionedState(getattr(state, "default_factory", None) or dict, state)
 
 
 class Bucket:
@@ -54,6 +151,7 @@ class Plan:
 
     __slots__ = (
         "params_list", "params", "live", "dead", "buckets", "keys", "device", "scratch", "native",
+        "strides", "shaped", "shaped_strides",
     )  # fmt: skip
 
     def matches(self, params: list, keys: tuple) -> bool:
@@ -123,7 +221,10 @@ class Scaling:
 
 
 class FusedOptimizer(torch.optim.Optimizer):
-    """Base class of the fused optimizers (not public API)."""
+    """Base class of the fused optimizers (not public API).
+
+    Each subclass's ``step`` is wrapped in ``torch.compiler.disable``: compiled code calls it as
+    an opaque function. Traced, its cached lists became guards and every step recompiled."""
 
     # Set by subclasses.
     _state_keys: tuple[str, ...] = ()
@@ -131,6 +232,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     _single_device = False  # every param of the optimizer on one device (global norms)
     _group_single_device = False  # every param of a group on one device
     _supports_amp_scaling = False  # the GradScaler protocol is honoured without a host sync
+    _sparse_hint = ""  # where sparse grads can go instead, for the error message
 
     def __init__(
         self,
@@ -150,16 +252,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._plans: dict[int, Plan] = {}
         self._flags: dict[torch.device, DeviceFlags] = {}
         self._state_ref = None
-        self._state_len = -1
+        self._state_version = -1
         self._lr_bufs: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._step_bufs: dict[torch.device, torch.Tensor] = {}
         # Masters handed out (param_groups_master, param_groups_full_precision) before a step of
         # ours made them: kept here, not in self.state, whose emptiness subclasses with their own
         # step test to create their state (NeMo's MegatronFusedAdam: `if len(state) == 0`). Our
-        # first step moves each into state[MASTER_KEY], the same tensor.
-        self._early_masters: dict[torch.Tensor, torch.Tensor] = {}
+        # first step moves each into state[MASTER_KEY], the same tensor (refreshed from the param
+        # in place if the param was written since: weights loaded after the masters were read).
+        # Each is kept with the param's _weights_mark at the time.
+        self._early_masters: dict[torch.Tensor, tuple[torch.Tensor, tuple[int, int]]] = {}
         self._group_defaults = tuple(defaults)  # the keys this optimizer declares
         super().__init__(params, defaults)
+        self.state = versioned_state(self.state)
         self._step_supports_amp_scaling = self._supports_amp_scaling
         first = self._first_param()
         device = first.device if first is not None else torch.device("cpu")
@@ -280,46 +385,121 @@ class FusedOptimizer(torch.optim.Optimizer):
         return torch.zeros_like(p, dtype=self._state_dtype(p), memory_format=torch.preserve_format)
 
     def _begin_step(self) -> None:
-        """Drops every plan when the state was replaced or resized since the last step."""
-        if self.state is not self._state_ref or len(self.state) != self._state_len:
+        """Drops every plan when the state mapping was replaced, or one of its entries set,
+        replaced or deleted, since the last step (``opt.state[p] = {}`` re-initialises p's state,
+        as in torch)."""
+        state = self.state
+        if state is not self._state_ref or state.version != self._state_version:
             self._plans.clear()
+            if not isinstance(state, VersionedState):  # a mapping assigned by the user
+                self.state = versioned_state(state)
 
     def _end_step(self) -> None:
         self._state_ref = self.state
-        self._state_len = len(self.state)
+        self._state_version = self.state.version
+
+    def _prepare(self) -> list[tuple]:
+        """(index, group, plan, grads) of every group, plan None for a group without grads. Every
+        group's grads are checked, and every plan built, before the caller launches a kernel or
+        counts a step: bad input (a sparse grad, a grad in another memory format than its
+        param) raises with nothing changed."""
+        self._begin_step()
+        found = []
+        try:
+            for index, group in enumerate(self.param_groups):
+                found.append(self._cached_plan(index, group))
+            for index, group in enumerate(self.param_groups):
+                if found[index] is None:
+                    self._check_grads(index, group["params"])
+            work = []
+            for index, group in enumerate(self.param_groups):
+                plan, grads = found[index] or self._new_plan(index, group)
+                work.append((index, group, plan, grads))
+        except BaseException:
+            self._release([f for f in found if f is not None])
+            raise
+        return work
+
+    @staticmethod
+    def _release(work) -> None:
+        """Drops the grads the C++ plans of ``work`` fetched (a step that did not run them)."""
+        for *_, plan, grads in work:
+            if plan is not None and grads is None:
+                for b in plan.buckets:
+                    if b.native is not None:
+                        b.native.release()
 
     def _plan(self, index: int, group: dict[str, Any]):
         """(plan, grads) for the group, or (None, None) when no param of it has a grad."""
-        params = group["params"]
-        keys = self._state_keys_for(group)
+        return self._cached_plan(index, group) or self._new_plan(index, group)
+
+    def _cached_plan(self, index: int, group: dict[str, Any]):
+        """(plan, grads) from the group's cached plan, (None, None) when none of its params has
+        a grad, or None when the plan has to be rebuilt: the params, the state keys or the
+        state changed, a grad came or went, or one is laid out differently (a sparse grad, a
+        param made channels_last since). Per tensor, only the grads' gathering runs in Python;
+        the checks are C-level loops."""
         plan = self._plans.get(index)
-        if plan is not None and plan.matches(params, keys):
-            if plan.fetch_native():
-                return plan, None  # each bucket's C++ plan holds its grads until its step
-            grads = [p.grad for p in plan.live]
-            if all(g is not None for g in grads) and all(p.grad is None for p in plan.dead):
-                return (plan, grads) if grads else (None, None)
-        plan = self._build_plan(index, group, params, keys)
+        if plan is None or not plan.matches(group["params"], self._state_keys_for(group)):
+            return None
+        if plan.fetch_native():
+            # Each bucket's C++ plan holds its grads until its step. It checks the grads itself;
+            # a param swapped for one of another memory format (p.data =, module.to()) is
+            # caught here, for the params where one can be (4-d and 5-d).
+            if _strides(plan.shaped) == plan.shaped_strides:
+                return plan, None
+            self._release([(plan, None)])
+            return None
+        grads = [p.grad for p in plan.live]
+        # A missing grad fails the layout test too (None has no strides).
+        if plan.strides is None:
+            same = _contiguous(grads)
+        else:
+            same = _strides(grads) == plan.strides
+        if not same or any(p.grad is not None for p in plan.dead):
+            return None
+        return (plan, grads) if grads else (None, None)
+
+    def _new_plan(self, index: int, group: dict[str, Any]):
+        """(plan, grads) from a plan built now (it checks the grads), or (None, None)."""
+        plan = self._build_plan(index, group, group["params"], self._state_keys_for(group))
         self._plans[index] = plan
         if not plan.live:
             return None, None
         return plan, [p.grad for p in plan.live]
 
-    def _build_plan(self, index: int, group: dict, params: list, keys: tuple) -> Plan:
-        self._prune_early_masters()
+    def _check_grads(self, index: int, params: list) -> None:
+        """Refuses sparse grads and grads the kernels cannot take with their params, naming the
+        group and the param."""
         where = f"{self._name}: param group {index}"
-        live, dead = [], []
         for i, p in enumerate(params):
             g = p.grad
             if g is None:
-                dead.append(p)
                 continue
-            if g.is_sparse:
+            if g.layout != torch.strided:
                 raise RuntimeError(
                     f"{where}: parameter {i} has a sparse gradient; {self._name} does not support "
-                    "sparse gradients (torch.optim.SparseAdam does)"
+                    f"sparse gradients{self._sparse_hint}"
                 )
-            live.append(p)
+            for what, t in (("parameter", p), ("grad", g)):
+                if not _layouts(t):
+                    raise ValueError(
+                        f"{where}: the {what} of parameter {i} is not contiguous (strides "
+                        f"{list(t.stride())}); {self._name} needs the contiguous or channels_last "
+                        "memory format"
+                    )
+            if g.numel() > 1 and not _layouts(g) & _layouts(p):
+                raise ValueError(
+                    f"{where}: the grad of parameter {i} has strides {list(g.stride())} but the "
+                    f"parameter has {list(p.stride())}; a grad must share its parameter's memory "
+                    "format"
+                )
+
+    def _build_plan(self, index: int, group: dict, params: list, keys: tuple) -> Plan:
+        self._prune_early_masters()
+        self._check_grads(index, params)
+        live = [p for p in params if p.grad is not None]
+        dead = [p for p in params if p.grad is None]
         # Buckets by (device, dtype), in order of first appearance; params keep group order.
         order: dict[tuple, list[torch.Tensor]] = {}
         for p in live:
@@ -346,20 +526,29 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if t is None:
                         t = state[k] = self._init_state(p, state, k, group)
                         fresh = True
-                    elif t.device != p.device:
-                        t = state[k] = t.to(p.device)
+                    elif t.device != p.device or t.stride() != p.stride():
+                        t = state[k] = _laid_out_like(t, p, t.dtype)
                     b.state[k].append(t)
                 if masters is not None:
                     m = state.get(MASTER_KEY)
                     if m is None:
-                        m = self._early_masters.pop(p, None)
-                        if m is not None:
+                        early = self._early_masters.pop(p, None)
+                        if early is not None:
+                            m, mark = early
+                            if _weights_mark(p) != mark and m.shape == p.shape:
+                                m.copy_(p.detach())  # weights loaded since: the same tensor
                             state[MASTER_KEY] = m
-                    if m is None or m.device != p.device or m.dtype != torch.float32:
-                        m = state[MASTER_KEY] = (
-                            p.detach().float() if m is None else m.to(p.device, torch.float32)
-                        )
+                    if m is None:
+                        m = state[MASTER_KEY] = p.detach().float()
+                    elif (
+                        m.device != p.device or m.dtype != torch.float32 or m.stride() != p.stride()
+                    ):
+                        m = state[MASTER_KEY] = _laid_out_like(m, p, torch.float32)
                     masters.append(m)
+                else:
+                    # A master left from a phase with master weights would be stale by now; were
+                    # it kept, a later phase with them would step from it.
+                    state.pop(MASTER_KEY, None)
                 b.fresh.append(fresh)
                 b.params.append(p)
             b.masters = masters
@@ -367,6 +556,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             plan.live.extend(members)
             b.stop = len(plan.live)
             plan.buckets.append(b)
+        grads = [p.grad for p in plan.live]
+        # What the next steps' grads are compared with: that each is contiguous (the usual
+        # case, and the cheapest test), else their strides.
+        plan.strides = None if _contiguous(grads) else _strides(grads)
+        plan.shaped = [p for p in plan.live if p.dim() >= 4]
+        plan.shaped_strides = _strides(plan.shaped)
         for b in plan.buckets:
             b.native = self._native_plan(group, b)
         plan.native = bool(plan.buckets) and all(b.native is not None for b in plan.buckets)
@@ -395,9 +590,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
             first = self._first_param()
             device = first.device if first is not None else torch.device("cpu")
-            found = grad_scaler._check_inf_per_device(self)
+            stage = grad_scaler._per_optimizer_states.get(id(self), {})
+            if getattr(stage.get("stage"), "name", None) == "UNSCALED":
+                # scaler.unscale_(opt) ran (for clipping): the grads are unscaled already, and
+                # the infs it found are the step's, as GradScaler.step's own protocol has it.
+                found, scale = stage["found_inf_per_device"], None
+            else:
+                found, scale = (
+                    grad_scaler._check_inf_per_device(self),
+                    grad_scaler._get_scale_async(),
+                )
             found_inf = sum(t.to(device, non_blocking=True) for t in found.values())
-            return Scaling(self, grad_scaler._get_scale_async(), found_inf)
+            return Scaling(self, scale, found_inf)
         grad_scale = self.__dict__.get("grad_scale")
         found_inf = self.__dict__.get("found_inf")
         if grad_scale is None and found_inf is None:
@@ -491,9 +695,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """p's fp32 master: the one a step made (in state), else one made now and kept aside."""
         m = self.state[p].get(MASTER_KEY) if p in self.state else None
         if m is None:
-            m = self._early_masters.get(p)
-            if m is None:
-                m = self._early_masters[p] = p.detach().float()
+            early = self._early_masters.get(p)
+            if early is None:
+                early = self._early_masters[p] = (p.detach().float(), _weights_mark(p))
+            m = early[0]
         return m
 
     # ---- state_dict ----------------------------------------------------------------------------
@@ -512,7 +717,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._early_masters = {}
         self._plans = {}
         self._state_ref = None
-        self.__dict__.setdefault("_state_len", -1)
+        self.__dict__.setdefault("_state_version", -1)
+        self.state = versioned_state(self.state)
 
     def _normalize_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Subclasses convert foreign layouts (torch's, apex's) here; returns a new dict."""
@@ -521,21 +727,38 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _saved_state_value(self, p: torch.Tensor, key, value):
         """How a saved state tensor is restored: on the param's device, in its saved dtype
         (torch would cast floating state to the param's dtype and lose fp32 moments and
-        masters of fp16/bf16 params)."""
-        if key == MASTER_KEY:
-            return value.to(device=p.device, dtype=torch.float32)
-        return value.to(device=p.device)
+        masters of fp16/bf16 params), in the param's memory format where it has its shape."""
+        return _laid_out_like(value, p, torch.float32 if key == MASTER_KEY else value.dtype)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, keeping each state tensor's saved dtype (fp32 moments and
         masters of fp16/bf16 params stay fp32) and moving group tensors (lr, step when
-        capturable) to the group's device."""
+        capturable) to the group's device. The state_dict pre-hooks see it in this optimizer's
+        layout (a torch.optim.Adam checkpoint already converted); the post-hooks run after
+        every change made here, so what they change stays."""
         state_dict = self._normalize_state_dict(dict(state_dict))
+        loading = {}
+
+        def capture(opt, final):  # the last pre-hook: the state_dict torch loads
+            loading["state_dict"] = final
+
+        def restore(opt):  # the first post-hook
+            self._restore_loaded(loading["state_dict"])
+
+        pre = self.register_load_state_dict_pre_hook(capture)
+        post = self.register_load_state_dict_post_hook(restore, prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _restore_loaded(self, state_dict: dict[str, Any]) -> None:
+        """What load_state_dict adds to torch's: the saved dtypes, group defaults and devices,
+        no master where a param uses none, no cached plan."""
         saved = state_dict["state"]
-        saved_groups = state_dict["param_groups"]
-        super().load_state_dict(state_dict)
         self._early_masters.clear()  # as the state they stood in for: the loaded one decides
-        ids = [i for g in saved_groups for i in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             if i not in saved:
@@ -544,6 +767,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in saved[i].items():
                 if isinstance(value, torch.Tensor):
                     entry[key] = self._saved_state_value(p, key, value)
+            if not self._uses_master(p):
+                entry.pop(MASTER_KEY, None)  # stale by the time a phase with masters uses it
         for group in self.param_groups:
             for key in self._group_defaults:  # not torch's own additions ("differentiable")
                 group.setdefault(key, self.defaults[key])
@@ -572,6 +797,10 @@ def _value(x) -> float:
 
 
 def check_lr(where: str, lr) -> None:
+    if not isinstance(lr, (numbers.Real, torch.Tensor)):
+        raise TypeError(
+            f"{where}: lr must be a number or a one-element tensor, got {type(lr).__name__} {lr!r}"
+        )
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(

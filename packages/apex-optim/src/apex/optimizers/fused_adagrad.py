@@ -30,6 +30,7 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     _state_keys = ("sum",)
+    _sparse_hint = " (torch.optim.Adagrad does)"
 
     def __init__(
         self,
@@ -61,13 +62,12 @@ class FusedAdagrad(FusedOptimizer):
         check_eps(where, group["eps"])
         check_nonneg(where, "weight_decay", group["weight_decay"])
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One Adagrad step over every group; ``closure`` re-evaluates the model, returns the loss."""
         loss = self._closure(closure)
-        self._begin_step()
-        for index, group in enumerate(self.param_groups):
-            plan, grads = self._plan(index, group)
+        for _, group, plan, grads in self._prepare():
             if plan is None:
                 continue
             for b in plan.buckets:

@@ -66,6 +66,7 @@ class FusedAdam(FusedOptimizer):
     _state_keys = ("exp_avg", "exp_avg_sq")
     _fp32_state = True
     _supports_amp_scaling = True
+    _sparse_hint = " (torch.optim.SparseAdam does)"
 
     def __init__(
         self,
@@ -145,6 +146,7 @@ class FusedAdam(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(
         self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, **kwargs
@@ -164,16 +166,19 @@ class FusedAdam(FusedOptimizer):
             )
         loss = self._closure(closure)
         scaling = self._scaling(grad_scaler)
-        self._begin_step()
-        for index, group in enumerate(self.param_groups):
-            plan, group_grads = self._plan(index, group)
-            if plan is None:
-                # apex counts a step in every group with params, grads or not (see
-                # _count_idle_group), kept here as an active group's is.
-                if group["params"]:
-                    self._advance_step(group, group["params"][0].device, scaling)
-                continue
-            self._step_group(index, group, plan, group_grads, scaling)
+        work = self._prepare()
+        try:
+            for index, group, plan, group_grads in work:
+                if plan is None:
+                    # apex counts a step in every group with params, grads or not (see
+                    # _count_idle_group), kept here as an active group's is.
+                    if group["params"]:
+                        self._advance_step(group, group["params"][0].device, scaling)
+                    continue
+                self._step_group(index, group, plan, group_grads, scaling)
+        except BaseException:
+            self._release(work)  # no C++ plan keeps a grad past the step
+            raise
         self._end_step()
         return loss
 

@@ -98,15 +98,14 @@ class FusedLAMB(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB step over every group; ``closure`` re-evaluates the model, returns the loss."""
         loss = self._closure(closure)
-        self._begin_step()
         work = []
         native = True  # every group's buckets fetched their grads in C++ (grads is None)
-        for index, group in enumerate(self.param_groups):
-            plan, grads = self._plan(index, group)
+        for _, group, plan, grads in self._prepare():
             if plan is not None:
                 work.append((group, plan, grads))
                 native = native and grads is None
@@ -156,13 +155,6 @@ class FusedLAMB(FusedOptimizer):
             self.adam_w_mode, global_grad_norm, self.defaults["max_grad_norm"],
             bool(self.use_nvlamb),
         )  # fmt: skip
-
-    @staticmethod
-    def _release(work) -> None:
-        for _, plan, _ in work:
-            for b in plan.buckets:
-                if b.native is not None:
-                    b.native.release()
 
     def _norm_plan(self, work):
         """A plan of every live param of ``work`` for the global grad norm, rebuilt whenever a

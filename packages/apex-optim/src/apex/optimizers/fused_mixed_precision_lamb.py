@@ -163,6 +163,7 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """One LAMB step over every group, without a host sync; ``closure`` re-evaluates the
@@ -176,10 +177,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
             )
         loss = self._closure(closure)
         scaling = self._scaling(grad_scaler)
-        self._begin_step()
         work, idle = [], []
-        for index, group in enumerate(self.param_groups):
-            plan, grads = self._plan(index, group)
+        for index, group, plan, grads in self._prepare():
             if plan is not None:
                 work.append((index, group, plan, grads))
             elif group["params"]:

@@ -114,13 +114,24 @@ class FusedNovoGrad(FusedOptimizer):
             ]
         )
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One NovoGrad step over every group; ``closure`` re-evaluates the model, returns the loss."""
         loss = self._closure(closure)
-        self._begin_step()
-        for index, group in enumerate(self.param_groups):
-            plan, grads = self._plan(index, group)
+        work = self._prepare()
+        for index, group, plan, _ in work:  # every check before the first kernel
+            norms = group.get("exp_avg_sq") or ()
+            for b in plan.buckets if plan is not None else ():
+                slot = _NORM_SLOT[b.dtype]
+                n = b.stop - b.start
+                if slot < len(norms) and norms[slot] is not None and norms[slot].numel() != n:
+                    raise RuntimeError(
+                        f"FusedNovoGrad: param group {index}: {n} {b.dtype} params have a grad "
+                        f"but the group keeps {norms[slot].numel()} grad norms for them; the set of "
+                        "params with a grad must not change between steps"
+                    )
+        for _, group, plan, grads in work:
             if plan is None:
                 self._count_idle_group(group)
                 continue
@@ -139,12 +150,6 @@ class FusedNovoGrad(FusedOptimizer):
                         torch.zeros(len(g), device=b.device)
                         if group["init_zero"]
                         else self._first_norms(g, group["norm_type"], b.device)
-                    )
-                if norms[slot].numel() != len(g):
-                    raise RuntimeError(
-                        f"FusedNovoGrad: param group {index}: {len(g)} {b.dtype} params have a grad "
-                        f"but the group keeps {norms[slot].numel()} grad norms for them; the set of "
-                        "params with a grad must not change between steps"
                     )
                 ops.multi_tensor_novograd(
                     g,

@@ -56,6 +56,7 @@ class FusedSGD(FusedOptimizer):
 
     _state_keys = ("momentum_buffer",)
     _supports_amp_scaling = True
+    _sparse_hint = " (torch.optim.SGD does)"
 
     def __init__(
         self,
@@ -149,6 +150,7 @@ class FusedSGD(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One SGD step over every group; ``closure`` re-evaluates the model, returns the loss."""
@@ -158,18 +160,22 @@ class FusedSGD(FusedOptimizer):
             self._step_amp_stash(stash)
         else:
             scaling = self._scaling()
-            self._begin_step()
-            for index, group in enumerate(self.param_groups):
-                plan, grads = self._plan(index, group)
-                if plan is None:
-                    continue
-                for b in plan.buckets:
-                    # grads is None when every bucket's C++ plan fetched its own (see FusedAdam).
-                    g = grads[b.start : b.stop] if grads is not None else None
-                    if self.capturable:
-                        self._step_tensors(index, group, b, g, scaling)
-                    else:
-                        self._step_kernel(group, b, g, scaling)
+            work = self._prepare()
+            try:
+                for index, group, plan, grads in work:
+                    if plan is None:
+                        continue
+                    for b in plan.buckets:
+                        # grads is None when every bucket's C++ plan fetched its own (see
+                        # FusedAdam).
+                        g = grads[b.start : b.stop] if grads is not None else None
+                        if self.capturable:
+                            self._step_tensors(index, group, b, g, scaling)
+                        else:
+                            self._step_kernel(group, b, g, scaling)
+            except BaseException:
+                self._release(work)  # no C++ plan keeps a grad past the step
+                raise
             self._end_step()
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
