@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -189,3 +190,24 @@ def test_amp_refuses_fp16_optimizer():
     amp._amp_state.allow_incoming_model_not_fp32 = True
     with pytest.raises(RuntimeError, match="FP16_Optimizer"):
         amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.serialization, "add_safe_globals"), reason="torch < 2.4 has no safe globals"
+)
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_fp16_optimizer_checkpoint_loads_with_weights_only(dynamic):
+    # torch.load's default is weights_only=True from torch 2.6; the state holds the scaler.
+    model = network_to_half(make_model())
+    opt = FP16_Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=dynamic, verbose=False
+    )
+    train_fp16_optimizer(opt, model, batches(2))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    scaler = ckpt["optimizer"]["loss_scaler"]
+    assert type(scaler) is type(opt.loss_scaler)
+    assert vars(scaler) == vars(opt.loss_scaler)
+    opt.load_state_dict(ckpt["optimizer"])

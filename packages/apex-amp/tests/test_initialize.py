@@ -3,6 +3,8 @@ shapes, and bad input (exception type and the words of the fix)."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from amp_testing import batches, make_model
@@ -148,6 +150,42 @@ def test_cast_model_outputs_and_nested_inputs():
     )
     out = model({"x": [torch.randn(2, 8)], "ids": torch.arange(2)})
     assert out["y"].dtype == torch.float16 and out["pair"][1].dtype == torch.long
+
+
+def test_defaultdict_inputs_and_outputs_keep_their_type():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, batch):
+            assert type(batch) is collections.defaultdict and batch["x"].dtype == torch.bfloat16
+            return collections.defaultdict(list, {"y": self.lin(batch["x"])})
+
+    model = amp.initialize(Net(), opt_level="O2", low_precision_dtype=torch.bfloat16, verbosity=0)
+    out = model(collections.defaultdict(int, {"x": torch.randn(2, 8)}))
+    assert type(out) is collections.defaultdict and out.default_factory is list
+    assert out["y"].dtype == torch.float32 and out["missing"] == []
+
+
+def test_mappings_whose_constructor_takes_no_pairs_keep_their_type():
+    class Odd(dict):
+        def __init__(self, name, **kw):
+            super().__init__(**kw)
+            self.name = name
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Odd("n", y=self.lin(x))
+
+    model = amp.initialize(Net(), opt_level="O3", low_precision_dtype=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(2, 8))
+    assert type(out).__name__ == "Odd" and out.name == "n" and list(out) == ["y"]
+    assert out["y"].dtype == torch.float32
 
 
 def test_cast_model_outputs_alone_casts_o1_outputs():
@@ -391,6 +429,43 @@ def test_incoming_half_model_is_refused_unless_allowed():
     amp.initialize(
         make_model().half(), opt_level="O2", low_precision_dtype=torch.float16, verbosity=0
     )
+
+
+def test_incoming_bf16_buffer_is_refused():
+    model = make_model()
+    model.register_buffer("scale", torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="buffer scale with type torch.bfloat16"):
+        amp.initialize(model, opt_level="O1", verbosity=0)
+
+
+class Diffusion(nn.Module):
+    """A float64 noise schedule beside fp32 weights (diffusers' schedulers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+        self.register_buffer("betas", torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64))
+
+    def forward(self, x, t):
+        return self.net(x) * self.betas[t].to(x.dtype).unsqueeze(-1)
+
+
+@pytest.mark.parametrize(
+    "opt_level, betas",
+    [("O0", torch.float32), ("O1", torch.float64), ("O2", torch.bfloat16), ("O3", torch.bfloat16)],
+)
+def test_float64_buffers_are_accepted_and_cast_as_apex_did(opt_level, betas):
+    # apex refused only half params/buffers; its model.to()/convert_network cast float64 too.
+    model = Diffusion()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(
+        model, opt, opt_level=opt_level, low_precision_dtype=torch.bfloat16, verbosity=0
+    )
+    assert model.betas.dtype == betas
+    out = model(torch.randn(2, 4), torch.tensor([1, 2]))
+    with amp.scale_loss(out.float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
 
 
 def test_o1_with_model_cast_overrides_is_refused():

@@ -500,3 +500,150 @@ def test_lr_scheduler_wrapping_step_before_or_after_initialize(scheduler_first):
         bad["on"] = False
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+# ---- O2 masters and model.load_state_dict ------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def o2_net(lr=0.0, seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return amp.initialize(
+        model, opt, opt_level="O2", low_precision_dtype=FP16, loss_scale=128.0, verbosity=0
+    )
+
+
+def one_step(model, opt):
+    opt.zero_grad()
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("copy_after_first_step", [True, False])
+def test_loading_into_a_deepcopy_leaves_the_original_alone(copy_after_first_step):
+    # An EMA / mean-teacher copy of an O2 model: loading its weights must not reach the
+    # original's masters (or, before they exist, its pending values).
+    model, opt = o2_net()
+    if copy_after_first_step:
+        one_step(model, opt)
+    ema = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ema.load_state_dict({k: torch.full_like(v, 7.0) for k, v in ema.state_dict().items()})
+    one_step(model, opt)  # lr 0: the weights stay what they were
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(torch.equal(p.float(), before[k]) for k, p in model.named_parameters())
+    assert all(torch.equal(v, torch.full_like(v, 7.0)) for v in ema.state_dict().values())
+
+
+def test_loading_an_averaged_model_leaves_the_training_masters_alone():
+    from torch.optim.swa_utils import AveragedModel
+
+    model, opt = o2_net(lr=0.1)
+    one_step(model, opt)
+    swa = AveragedModel(model)  # deep-copies the model
+    master = snapshot(amp.master_params(opt))
+    saved = {
+        k: v.clone().fill_(5.0) if v.is_floating_point() else v for k, v in swa.state_dict().items()
+    }
+    swa.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(master, amp.master_params(opt)))
+
+
+PRETRAINED = 0.123456789  # fp16 holds 0.12347412...
+
+
+@pytest.mark.parametrize("before_load", ["nothing", "optimizer.load_state_dict", "lazy_init"])
+@pytest.mark.parametrize("checkpoint_dtype", [torch.float32, FP16], ids=str)
+def test_a_submodule_load_is_what_trains(before_load, checkpoint_dtype):
+    pretrained = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(pretrained.weight, PRETRAINED)
+    torch.nn.init.zeros_(pretrained.bias)
+    model, opt = o2_net()
+    if before_load == "optimizer.load_state_dict":  # makes the masters
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif before_load == "lazy_init":  # DeepLearningExamples BERT
+        opt._lazy_init_maybe_master_weights()
+    sd = {k: v.to(checkpoint_dtype) for k, v in pretrained.state_dict().items()}
+    model.backbone.load_state_dict(sd)
+    one_step(model, opt)  # lr 0
+    master = list(amp.master_params(opt))[0]
+    assert torch.equal(master, sd["weight"].float())
+    assert torch.equal(model.backbone.weight, sd["weight"].half())
+    assert torch.equal(model.state_dict()["backbone.weight"], sd["weight"].float())
+
+
+def test_tied_weights_save_the_master_under_both_keys():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 8)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=FP16, verbosity=0)
+    x = torch.randint(0, 10, (16,))
+    for _ in range(3):
+        opt.zero_grad()
+        with amp.scale_loss(torch.nn.functional.cross_entropy(model(x), x), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    sd = model.state_dict()
+    master = list(amp.master_params(opt))[0]
+    assert torch.equal(sd["emb.weight"], master) and torch.equal(sd["head.weight"], master)
+
+
+def test_o3_saves_what_it_trained_not_what_it_loaded():
+    # No master weights: a loaded fp32 value must not be kept aside and saved back later.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O3", low_precision_dtype=FP16, verbosity=0)
+    model.load_state_dict({k: v + 0.3 for k, v in model.state_dict().items()})
+    for _ in range(2):
+        one_step(model, opt)
+    assert torch.equal(model.state_dict()["weight"], model.weight.float())
+
+
+def test_a_static_scale_loaded_into_a_dynamic_scaler_warns(caplog):
+    init("O2", dtype=torch.bfloat16)
+    from_bf16 = amp.state_dict()
+    assert from_bf16["loss_scaler0"]["loss_scale"] == 1.0
+    amp.reset()
+    init("O2", dtype=FP16)
+    with caplog.at_level(logging.WARNING, logger="apex.amp"):
+        amp.load_state_dict(from_bf16)
+    assert (
+        "loss_scaler0 holds a loss scale of 1.0, loaded into a dynamic loss scaler" in caplog.text
+    )
+    assert "without loss scaling (bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="apex.amp"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}})
+    assert caplog.text == ""
+
+
+def test_a_restored_count_beyond_a_smaller_scale_window_still_grows():
+    model, opt = init("O2", scale_window=4)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 1500}})
+    train_amp(model, opt, batches(2), amp)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert scaler.loss_scale() == 2048.0 and scaler._unskipped == 1

@@ -3,6 +3,8 @@ registered functions (half, float, promote) applied while autocast is on."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -16,12 +18,36 @@ def cast_tree(value, dtype: torch.dtype):
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, dict):
-        return type(value)((k, cast_tree(v, dtype)) for k, v in value.items())
+        return _cast_dict(value, dtype)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(cast_tree(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(cast_tree(v, dtype) for v in value)
     return value
+
+
+def _cast_dict(value: dict, dtype: torch.dtype) -> dict:
+    """A dict of the same type with its values cast: built from the pairs where the type's
+    constructor takes them (dict, OrderedDict, transformers' ModelOutput); else (defaultdict, a
+    subclass with its own arguments) a shallow copy with the items replaced; else a plain dict
+    (apex's result for every mapping)."""
+    items = [(k, cast_tree(v, dtype)) for k, v in value.items()]
+    kind = type(value)
+    if kind is dict:
+        return dict(items)
+    try:
+        out = kind(items)
+    except (TypeError, ValueError):
+        out = None
+    if out is not None and len(out) == len(items):
+        return out
+    try:
+        out = copy.copy(value)
+        for k, v in items:
+            out[k] = v
+    except (TypeError, ValueError, AttributeError, copy.Error):
+        return dict(items)
+    return out
 
 
 def _floats(value, found: list) -> None:
@@ -48,10 +74,23 @@ def widest_dtype(args, kwargs) -> torch.dtype | None:
     return widest
 
 
-def autocast_on(device_type: str) -> bool:
+def _autocast_on_by_device(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)
+
+
+def _autocast_on_legacy(device_type: str) -> bool:  # torch < 2.4 took no device
+    if device_type == "cpu":
+        return torch.is_autocast_cpu_enabled()
+    return torch.is_autocast_enabled()
+
+
+def _pick_autocast_on():
     try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 took no device
-        if device_type == "cpu":
-            return torch.is_autocast_cpu_enabled()
-        return torch.is_autocast_enabled()
+        torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return _autocast_on_legacy
+    return _autocast_on_by_device
+
+
+# Chosen once: O1's wrapped functions ask on every call.
+autocast_on = _pick_autocast_on()

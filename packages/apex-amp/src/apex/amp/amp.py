@@ -4,14 +4,18 @@ the ``half_function``/``float_function``/``promote_function`` decorators.
 O1 runs the model's forward under ``torch.autocast`` (initialize patches ``forward``), which casts
 torch's own functions by its op lists, close to apex's lists: matmul, conv and linear in the low
 precision dtype; softmax, losses, norms, exp/log/pow/sum in fp32; mixed inputs promoted to the
-widest. On top of that, functions registered here are wrapped where they live (as apex patched
-them): while autocast is on (and casts are not disabled), their floating-point arguments are cast
-by their policy and they run with autocast off; elsewhere they run untouched.
-``torch.nn.functional.binary_cross_entropy`` (and so ``nn.BCELoss``) is refused inside an O1
-forward unless ``amp.init(allow_banned=True)`` (then it runs in fp32). The losses and softmax of
+widest. CPU autocast runs some of those in the low dtype: for models on the CPU, the functions of
+``CPU_FP32_FUNCTIONS`` (CUDA autocast's fp32 list) are wrapped where they live and cast fp16/bf16
+arguments to fp32 while autocast is on. On top of that, functions registered here are wrapped
+where they live (as apex patched them): while autocast is on (and casts are not disabled), their
+floating-point arguments are cast by their policy and they run with autocast off; elsewhere they
+run untouched. ``torch.nn.functional.binary_cross_entropy`` (and so ``nn.BCELoss``) is refused
+inside an O1 forward unless ``amp.init(allow_banned=True)`` (then it runs in fp32). The losses of
 ``torch.nn.functional`` (``FP32_FUNCTIONS``) run in fp32 on fp16/bf16 input wherever they are
 called while O1 is active, as apex's global patches did (a loss computed outside the forward on
-its low-precision output included).
+its low-precision output included). softmax is fp32 inside the forward only: outside it, code
+amp does not manage (a ``.half()`` distillation teacher) keeps its dtypes (apex's global fp16
+matmul patch made such code work; autocast does not reach it).
 """
 
 from __future__ import annotations
@@ -96,13 +100,12 @@ def _banned(fn, allow: bool):
     return wrapper
 
 
-# apex's FP32 list for losses and softmax: O1 ran them in fp32 wherever they were called (apex
-# patched them globally), so a loss computed outside the model's forward on its fp16 output is
-# still computed in fp32. Inside the forward autocast does the same already.
+# apex's FP32 list for losses: O1 ran them in fp32 wherever they were called (apex patched them
+# globally), so a loss computed outside the model's forward on its fp16 output is still computed
+# in fp32. Inside the forward autocast does the same already. (softmax, log_softmax and softmin
+# are not here: outside the forward they run as given, so fp16 code amp does not manage, such as
+# a .half() distillation teacher, keeps its dtypes; see CPU_FP32_FUNCTIONS for the forward.)
 FP32_FUNCTIONS = (
-    "softmax",
-    "log_softmax",
-    "softmin",
     "cross_entropy",
     "nll_loss",
     "mse_loss",
@@ -122,6 +125,44 @@ FP32_FUNCTIONS = (
     "soft_margin_loss",
     "triplet_margin_loss",
     "ctc_loss",
+)
+
+# What CUDA's autocast runs in fp32 (its fp32, fp32_set_opt_dtype and fp32_append_dtype lists,
+# close to apex's FP32 list) and CPU autocast runs in the low dtype. For CPU models O1 wraps these
+# where they live: while autocast is on (inside the forward) and no dtype= is given, they cast
+# fp16/bf16 arguments to fp32, so norms, softmax, exp/log/pow/sum run fp32 on both devices;
+# elsewhere they run untouched. Tensor.__rpow__ and Tensor.norm call torch.pow and torch.norm;
+# F.softmin and F.normalize call the Tensor methods.
+CPU_FP32_FUNCTIONS = (
+    (
+        torch,
+        (
+            "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
+            "dist cdist pdist renorm logsumexp prod cumprod cumsum sum norm softmax log_softmax "
+            "layer_norm group_norm cosine_similarity"
+        ).split(),
+    ),
+    (
+        torch.Tensor,
+        (
+            "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
+            "__pow__ dist renorm logsumexp prod cumprod cumsum sum softmax log_softmax"
+        ).split(),
+    ),
+    (torch.linalg, ("vector_norm", "matrix_norm", "norm")),
+    (
+        torch.nn.functional,
+        (
+            "softplus",
+            "layer_norm",
+            "group_norm",
+            "cosine_similarity",
+            "pdist",
+            "softmax",
+            "log_softmax",
+            "interpolate",  # CUDA runs the upsample kernels in fp32
+        ),
+    ),
 )
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -150,6 +191,25 @@ def _fp32_everywhere(fn):
         args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
         with torch.autocast(_amp_state.device_type or "cpu", enabled=False):
             return fn(*args, **kwargs)
+
+    wrapper._amp_original = fn
+    wrapper._amp_policy = "fp32"
+    return wrapper
+
+
+def _fp32_in_forward(fn):
+    """``fn`` with fp16/bf16 arguments cast to fp32 while O1's casts are active (autocast on,
+    casts not disabled) and no ``dtype=`` is given; untouched elsewhere."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if (
+            _casts_active()
+            and kwargs.get("dtype") is None
+            and (_has_low_precision(args) or _has_low_precision(kwargs))
+        ):
+            args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
+        return fn(*args, **kwargs)
 
     wrapper._amp_original = fn
     wrapper._amp_policy = "fp32"
@@ -240,7 +300,10 @@ class AmpHandle:
 
     def _deactivate(self) -> None:
         for mod, name, original in reversed(self._all_wrappers):
-            setattr(mod, name, original)
+            if original is _INHERITED:
+                delattr(mod, name)  # a torch.Tensor method that lives on its C base class
+            else:
+                setattr(mod, name, original)
         self._all_wrappers = []
         self._is_active = False
 
@@ -288,8 +351,14 @@ class NoOpHandle:
         return False
 
 
+_INHERITED = object()  # _deactivate deletes the patch: the original is found on a base class
+
+
 def _patch(handle: AmpHandle, module, name: str, new) -> None:
-    handle._save_func(module, name, getattr(module, name))
+    original = getattr(module, name)
+    if isinstance(module, type) and name not in vars(module):
+        original = _INHERITED
+    handle._save_func(module, name, original)
     setattr(module, name, new)
 
 
@@ -301,13 +370,13 @@ def init(
     Applies and clears the functions registered with ``register_*_function``; refuses
     ``F.binary_cross_entropy`` inside O1 forwards unless ``allow_banned``.
     """
+    if isinstance(_amp_state.handle, AmpHandle):
+        _amp_state.handle._deactivate()
     if not enabled:
         handle = NoOpHandle()
         _amp_state.handle = handle
         _USER_REGISTRY.clear()
         return handle
-    if isinstance(_amp_state.handle, AmpHandle):
-        _amp_state.handle._deactivate()
     handle = AmpHandle(loss_scale, enable_caching, verbose)
     registered = {(id(m), n) for m, n, _ in _USER_REGISTRY}
     bce = (id(torch.nn.functional), "binary_cross_entropy")
@@ -319,6 +388,13 @@ def init(
         if hasattr(functional, name) and (id(functional), name) not in registered:
             fn = getattr(functional, name)
             _patch(handle, functional, name, _fp32_everywhere(getattr(fn, "_amp_original", fn)))
+    if _amp_state.device_type == "cpu":
+        for module, names in CPU_FP32_FUNCTIONS:
+            for name in names:
+                if hasattr(module, name) and (id(module), name) not in registered:
+                    fn = getattr(module, name)
+                    fn = getattr(fn, "_amp_original", fn)
+                    _patch(handle, module, name, _fp32_in_forward(fn))
     for module, name, policy in _USER_REGISTRY:
         original = getattr(module, name)
         original = getattr(original, "_amp_original", original)

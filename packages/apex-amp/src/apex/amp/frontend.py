@@ -18,7 +18,6 @@ import functools
 import os
 import types
 import warnings
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -102,11 +101,14 @@ def _model_device_type(models: list) -> str:
 
 
 def _check_incoming_dtypes(models: list) -> None:
+    """Refuse fp16/bf16 params and buffers, as apex refused half ones. float64 passes (a
+    diffusion schedule's ``betas`` buffer): O0 casts it to fp32 and O2/O3 to the low dtype with
+    the rest of the model, as apex's ``model.to``/``convert_network`` did; O1 leaves it."""
     if _amp_state.allow_incoming_model_not_fp32:
         return
     for model in models:
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_floating_point() and t.dtype != torch.float32:
+            if t.dtype in (torch.float16, torch.bfloat16):
                 warn_or_err(
                     f"Found param or buffer {name} with type {t.dtype}, expected "
                     "torch.float32. When using amp.initialize, you do not need to call .half() "
@@ -211,7 +213,8 @@ def _patch_forward(model: nn.Module, input_dtype, output_dtype, autocast) -> Non
 
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
     """O2/O3 models save fp32: a param's fp32 master where it has one, else the value cast."""
-    for name, param in module.named_parameters():
+    # remove_duplicate=False: each key of a tied param gets the master, not only the first.
+    for name, param in module.named_parameters(remove_duplicate=False):
         master = MASTERS.get(param)
         if master is None:
             master = PENDING.get(param)  # loaded, masters not made yet
@@ -223,29 +226,29 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
                 state_dict[key] = value.float()
 
 
-def _make_load_hook(model: nn.Module):
-    ref = weakref.ref(model)
-
-    def hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
-        """fp32 values loaded into a low-precision param go to its master as they are (or wait
-        for the master, made at the first backward)."""
-        module = ref()
-        if module is None:
-            return
-        with torch.no_grad():
-            for name, param in module.named_parameters():
-                value = state_dict.get(prefix + name)
-                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                    continue
-                if param.dtype == torch.float32 or value.dtype != torch.float32:
-                    continue
-                master = MASTERS.get(param)
-                if master is not None:
-                    master.copy_(value)
-                else:
-                    PENDING[param] = value.detach().clone()
-
-    return hook
+def _load_masters_hook(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+):
+    """Registered on every submodule of an O2 model (with_module=True: torch passes the module
+    the state is loaded into, so a ``copy.deepcopy`` of the model loads into its own params, not
+    the original's). The values loaded into ``module``'s own low-precision params go to their
+    masters (or wait for them, made at the first backward): fp32 values as they are, fp16/bf16
+    ones widened, so a param loaded after its master exists is not overwritten by the stale
+    master at the next step."""
+    with torch.no_grad():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if param.dtype == torch.float32:
+                continue
+            value = state_dict.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            if value.shape != param.shape:
+                continue  # torch reports the mismatch
+            master = MASTERS.get(param)
+            if master is not None:
+                master.copy_(value)
+            else:
+                PENDING[param] = value.detach().to(torch.float32, copy=True)
 
 
 def _cast_model(model: nn.Module, props, low: torch.dtype, device_type: str) -> None:
@@ -264,7 +267,12 @@ def _cast_model(model: nn.Module, props, low: torch.dtype, device_type: str) -> 
         _patch_forward(model, cast, output_dtype, None)
         if cast != torch.float32:
             model._register_state_dict_hook(_fp32_state_dict_hook)
-            model._register_load_state_dict_pre_hook(_make_load_hook(model))
+            if props.master_weights:
+                # On every submodule: model.backbone.load_state_dict(...) restores masters too.
+                # The private form with with_module=True exists on every torch this package
+                # supports (2.3+).
+                for module in model.modules():
+                    module._register_load_state_dict_pre_hook(_load_masters_hook, with_module=True)
     elif props.patch_torch_functions:
         _patch_forward(model, None, props_cast_outputs(props), (device_type, low))
     elif props_cast_outputs(props) is not None:
@@ -481,7 +489,9 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict) -> None:
-    """Restore the loss scalers from ``amp.state_dict()`` (call after amp.initialize)."""
+    """Restore the loss scalers from ``amp.state_dict()`` (call after amp.initialize). A scale
+    of 1.0 loaded into a dynamic scaler (a bf16 run's state into an fp16 run) is logged as a
+    warning: the scale restarts there."""
     if not _amp_state.loss_scalers:
         raise RuntimeError(
             "amp.load_state_dict needs amp.initialize first: it restores the loss scalers "
@@ -509,7 +519,21 @@ def load_state_dict(state_dict) -> None:
         if idx >= count:
             continue
         scaler = _amp_state.loss_scalers[idx]
-        scaler._loss_scale = float(entry["loss_scale"])
+        loaded = float(entry["loss_scale"])
+        if scaler.dynamic and loaded <= 1.0 < scaler._loss_scale:
+            # A bf16 run's static 1.0 (or an fp16 run stuck at its floor): the dynamic scale
+            # restarts there and needs log2(scale) x scale_window clean steps to grow back.
+            logger.warning(
+                "amp.load_state_dict: %s holds a loss scale of %s, loaded into a dynamic loss "
+                "scaler (fresh scale %s). If the checkpoint comes from a run without loss "
+                "scaling (bf16, or a static scale of 1.0), do not restore its amp state into "
+                "this fp16 run: the scale would take %d clean steps per doubling to grow back.",
+                key,
+                loaded,
+                scaler._loss_scale,
+                scaler._scale_seq_len,
+            )
+        scaler._loss_scale = loaded
         scaler._unskipped = int(entry["unskipped"])
         if "hysteresis_left" in entry:
             scaler._hysteresis_left = int(entry["hysteresis_left"])

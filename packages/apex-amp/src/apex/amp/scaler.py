@@ -194,7 +194,8 @@ class LossScaler:
             self._unskipped += 1  # static scalers count their steps too, as apex's
             if self.dynamic:
                 self._hysteresis_left = self._hysteresis
-                if self._unskipped == self._scale_seq_len:
+                # >=: a restored count (amp.load_state_dict) may exceed a smaller window.
+                if self._unskipped >= self._scale_seq_len:
                     self._loss_scale = min(
                         self._max_loss_scale, self._loss_scale * self._scale_factor
                     )

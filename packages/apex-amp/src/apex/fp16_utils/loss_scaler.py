@@ -90,3 +90,9 @@ class DynamicLossScaler:
     def backward(self, loss, retain_graph=False):
         scaled_loss = loss * self.loss_scale
         scaled_loss.backward(retain_graph=retain_graph)
+
+
+# FP16_Optimizer.state_dict() holds its scaler object: let torch.load's default
+# weights_only=True (torch >= 2.6) rebuild these two classes (add_safe_globals: torch >= 2.4).
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler])
