@@ -174,6 +174,8 @@ def test_losses_run_in_fp32_outside_the_forward_too():
     assert nn.CrossEntropyLoss()(out, target).dtype == torch.float32
     assert nn.functional.mse_loss(out, torch.zeros(5, 3)).dtype == torch.float32
     assert nn.functional.kl_div(out, out.detach(), reduction="sum").dtype == torch.float32
+    # log_softmax too, the first half of nll_loss(log_softmax(out)), as apex's FP32 list had it
+    assert nn.functional.log_softmax(out, -1).dtype == torch.float32
     torch.testing.assert_close(loss, nn.functional.cross_entropy(out.float(), target))
     with amp.disable_casts():
         assert nn.functional.cross_entropy(out, target).dtype == BF16

@@ -548,6 +548,19 @@ def test_loading_into_a_deepcopy_leaves_the_original_alone(copy_after_first_step
     assert all(torch.equal(v, torch.full_like(v, 7.0)) for v in ema.state_dict().values())
 
 
+def test_a_loaded_copy_saves_what_it_holds_after_an_update():
+    """An EMA copy of an O2 model, loaded from a checkpoint (its params have no masters: their
+    loaded fp32 values wait as pending) and then updated in place, saves its updated weights,
+    not the values it loaded."""
+    model, opt = o2_net()
+    ema = copy.deepcopy(model)
+    ema.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.fill_(3.0)  # the EMA update
+    assert all(torch.equal(v, torch.full_like(v, 3.0)) for v in ema.state_dict().values())
+
+
 def test_loading_an_averaged_model_leaves_the_training_masters_alone():
     from torch.optim.swa_utils import AveragedModel
 

@@ -54,8 +54,25 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Model param -> its fp32 master, for the model's state_dict hooks (O2 checkpoints hold the
 # masters' exact values, and loading one restores them).
 MASTERS = WeakIdKeyDictionary()
-# Model param -> fp32 value loaded from a checkpoint before its master existed.
+# Model param -> (fp32 value loaded from a checkpoint before its master existed, the param's
+# _version once that load finished; None until then). Use pending() to read it.
 PENDING = WeakIdKeyDictionary()
+
+
+def pending(param: torch.Tensor, pop: bool = False) -> torch.Tensor | None:
+    """The fp32 value loaded into ``param`` while it had no master, if the param was not written
+    since that load (an EMA or SWA update of a deep-copied model, a user's own copy_): else None,
+    and the stale entry is dropped."""
+    entry = PENDING.get(param)
+    if entry is None:
+        return None
+    value, version = entry
+    if version is not None and version != param._version:
+        del PENDING[param]
+        return None
+    if pop:
+        del PENDING[param]
+    return value
 
 
 class AmpOptimizerState:
@@ -138,7 +155,7 @@ def _is_fused_sgd(optimizer) -> bool:
 
 
 def _master_for(param: torch.Tensor) -> torch.Tensor:
-    loaded = PENDING.pop(param, None)
+    loaded = pending(param, pop=True)
     if loaded is not None and loaded.shape == param.shape:
         master = loaded.to(param.device, torch.float32, copy=True)
     else:

@@ -13,9 +13,9 @@ run untouched. ``torch.nn.functional.binary_cross_entropy`` (and so ``nn.BCELoss
 inside an O1 forward unless ``amp.init(allow_banned=True)`` (then it runs in fp32). The losses of
 ``torch.nn.functional`` (``FP32_FUNCTIONS``) run in fp32 on fp16/bf16 input wherever they are
 called while O1 is active, as apex's global patches did (a loss computed outside the forward on
-its low-precision output included). softmax is fp32 inside the forward only: outside it, code
-amp does not manage (a ``.half()`` distillation teacher) keeps its dtypes (apex's global fp16
-matmul patch made such code work; autocast does not reach it).
+its low-precision output included), log_softmax too. softmax and softmin are fp32 inside the
+forward only: outside it, code amp does not manage (a ``.half()`` distillation teacher) keeps its
+dtypes (apex's global fp16 matmul patch made such code work; autocast does not reach it).
 """
 
 from __future__ import annotations
@@ -102,10 +102,11 @@ def _banned(fn, allow: bool):
 
 # apex's FP32 list for losses: O1 ran them in fp32 wherever they were called (apex patched them
 # globally), so a loss computed outside the model's forward on its fp16 output is still computed
-# in fp32. Inside the forward autocast does the same already. (softmax, log_softmax and softmin
-# are not here: outside the forward they run as given, so fp16 code amp does not manage, such as
-# a .half() distillation teacher, keeps its dtypes; see CPU_FP32_FUNCTIONS for the forward.)
+# in fp32. Inside the forward autocast does the same already. (softmax and softmin are not here:
+# outside the forward they run as given, so fp16 code amp does not manage, such as a .half()
+# distillation teacher's attention, keeps its dtypes; see CPU_FP32_FUNCTIONS for the forward.)
 FP32_FUNCTIONS = (
+    "log_softmax",  # the loss pipeline's first half (nll_loss(log_softmax(out)))
     "cross_entropy",
     "nll_loss",
     "mse_loss",
@@ -150,16 +151,15 @@ CPU_FP32_FUNCTIONS = (
         ).split(),
     ),
     (torch.linalg, ("vector_norm", "matrix_norm", "norm")),
+    # Not F.layer_norm, F.group_norm, F.softmax, F.log_softmax: they call torch.layer_norm,
+    # torch.group_norm and the Tensor methods, wrapped above (a second wrapper would only cost).
+    # F.cosine_similarity and F.pdist are torch's own builtins, bound before any patch.
     (
         torch.nn.functional,
         (
             "softplus",
-            "layer_norm",
-            "group_norm",
             "cosine_similarity",
             "pdist",
-            "softmax",
-            "log_softmax",
             "interpolate",  # CUDA runs the upsample kernels in fp32
         ),
     ),

@@ -25,7 +25,7 @@ from torch import nn
 
 from ._amp_state import _amp_state, logger, maybe_print, warn_or_err
 from ._casting import cast_tree
-from ._process_optimizer import MASTERS, PENDING, process_optimizer
+from ._process_optimizer import MASTERS, PENDING, pending, process_optimizer
 from ._properties import DESCRIPTIONS, opt_level_properties
 from .scaler import LossScaler
 
@@ -217,7 +217,7 @@ def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
     for name, param in module.named_parameters(remove_duplicate=False):
         master = MASTERS.get(param)
         if master is None:
-            master = PENDING.get(param)  # loaded, masters not made yet
+            master = pending(param)  # loaded, masters not made yet, param untouched since
         if master is not None and prefix + name in state_dict:
             state_dict[prefix + name] = master.detach()
     for key, value in state_dict.items():
@@ -248,7 +248,18 @@ def _load_masters_hook(
             if master is not None:
                 master.copy_(value)
             else:
-                PENDING[param] = value.detach().to(torch.float32, copy=True)
+                # Its version is taken once the load has written the param (_loaded_hook).
+                PENDING[param] = (value.detach().to(torch.float32, copy=True), None)
+
+
+def _loaded_hook(module, incompatible_keys):
+    """After a load into ``module``: the version of each of its own params that got a pending
+    value, so that a later write into the param (an EMA update of a deep-copied model) makes the
+    pending value stale rather than what the param saves or trains from."""
+    for param in module.parameters(recurse=False):
+        entry = PENDING.get(param)
+        if entry is not None and entry[1] is None:
+            PENDING[param] = (entry[0], param._version)
 
 
 def _cast_model(model: nn.Module, props, low: torch.dtype, device_type: str) -> None:
@@ -273,6 +284,7 @@ def _cast_model(model: nn.Module, props, low: torch.dtype, device_type: str) -> 
                 # supports (2.3+).
                 for module in model.modules():
                     module._register_load_state_dict_pre_hook(_load_masters_hook, with_module=True)
+                    module.register_load_state_dict_post_hook(_loaded_hook)
     elif props.patch_torch_functions:
         _patch_forward(model, None, props_cast_outputs(props), (device_type, low))
     elif props_cast_outputs(props) is not None:
