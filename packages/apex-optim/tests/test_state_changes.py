@@ -329,3 +329,64 @@ def test_compiled_training_step_compiles_a_bounded_number_of_graphs(name):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_master_written_after_it_was_read_is_kept(name):
+    """A master restored by hand (an fp32 checkpoint copied into param_groups_master, then the
+    param synced from it) is what the first step starts from: the refresh of masters whose
+    params were loaded after they were read leaves alone a master that was written itself."""
+    net = torch.nn.Linear(4, 2).bfloat16()
+    kw = {"reduced_precision_dtype": torch.bfloat16} if name == "FusedMixedPrecisionLamb" else {}
+    opt = make(name, list(net.parameters()), lr=0.0, master_weights=True, **kw)
+    attr = (
+        "param_groups_full_precision"
+        if name == "FusedMixedPrecisionLamb"
+        else "param_groups_master"
+    )
+    exact = 0.123456789  # bf16 holds 0.12353515625
+    with torch.no_grad():
+        for m, p in zip(getattr(opt, attr)[0]["params"], net.parameters()):
+            m.fill_(exact)
+            p.copy_(m)
+    net(torch.randn(3, 4).bfloat16()).float().sum().backward()
+    opt.step()
+    for p in net.parameters():
+        assert torch.equal(
+            opt.state[p]["master_param"], torch.full_like(p, exact, dtype=torch.float32)
+        )
+
+
+def test_a_plain_mapping_assigned_to_state_is_the_state():
+    """As torch.optim: a mapping assigned to opt.state is used as it is (code may hold it), not
+    copied into another."""
+    from collections import defaultdict
+
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = FusedAdam([p], lr=0.1)
+    mine = defaultdict(dict)
+    opt.state = mine
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state is mine and "exp_avg" in mine[p]
+
+
+def test_a_numpy_lr_is_accepted():
+    np = pytest.importorskip("numpy")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=np.array(0.5))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(3))
+
+
+def test_importing_the_optimizers_does_not_import_dynamo():
+    """step is made opaque to torch.compile lazily: importing torch._dynamo costs most of a
+    second, which an import of apex.optimizers (or of apex.amp) should not pay."""
+    import subprocess
+    import sys
+
+    code = "import sys, apex.optimizers, apex.optimizers.fused_adam; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -31,6 +31,14 @@ def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+def opaque_to_dynamo(step):
+    """``step`` as compiled code calls it without tracing it (torch.compiler.disable), made at
+    the first call: torch's lazy form (torch._disable_dynamo, what torch.optim uses), since
+    torch.compiler.disable at class definition imports torch._dynamo (~0.8 s at import)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(step) if lazy is not None else torch.compiler.disable(step)
+
+
 def _layouts(t: torch.Tensor) -> int:
     """Bit mask of the memory formats ``t`` is dense in (1 contiguous, 2 channels_last, 4 3d): the
     kernels' rule, checked here so that a bad grad is refused before any kernel runs."""
@@ -116,6 +124,13 @@ class VersionedState(defaultdict):
     def __ior__(self, other):
         self.version += 1
         return super().__ior__(other)
+
+
+def _state_version(state) -> int:
+    """What a step compares to tell whether the state's entries changed: VersionedState's count;
+    for a mapping the user assigned to ``opt.state`` (kept as it is, as torch keeps it: code may
+    hold it), its length only."""
+    return state.version if isinstance(state, VersionedState) else len(state)
 
 
 def versioned_state(state) -> VersionedState:
@@ -223,8 +238,8 @@ class Scaling:
 class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the fused optimizers (not public API).
 
-    Each subclass's ``step`` is wrapped in ``torch.compiler.disable``: compiled code calls it as
-    an opaque function. Traced, its cached lists became guards and every step recompiled."""
+    Each subclass's ``step`` is wrapped in ``opaque_to_dynamo`` (torch.compiler.disable, lazily):
+    compiled code calls it as an opaque function. Traced, its cached lists became guards and every step recompiled."""
 
     # Set by subclasses.
     _state_keys: tuple[str, ...] = ()
@@ -260,8 +275,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # step test to create their state (NeMo's MegatronFusedAdam: `if len(state) == 0`). Our
         # first step moves each into state[MASTER_KEY], the same tensor (refreshed from the param
         # in place if the param was written since: weights loaded after the masters were read).
-        # Each is kept with the param's _weights_mark at the time.
-        self._early_masters: dict[torch.Tensor, tuple[torch.Tensor, tuple[int, int]]] = {}
+        # Each is kept with the param's _weights_mark and its own version at the time.
+        self._early_masters: dict[torch.Tensor, tuple[torch.Tensor, tuple[int, int], int]] = {}
         self._group_defaults = tuple(defaults)  # the keys this optimizer declares
         super().__init__(params, defaults)
         self.state = versioned_state(self.state)
@@ -389,20 +404,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         replaced or deleted, since the last step (``opt.state[p] = {}`` re-initialises p's state,
         as in torch)."""
         state = self.state
-        if state is not self._state_ref or state.version != self._state_version:
+        if state is not self._state_ref or _state_version(state) != self._state_version:
             self._plans.clear()
-            if not isinstance(state, VersionedState):  # a mapping assigned by the user
-                self.state = versioned_state(state)
 
     def _end_step(self) -> None:
         self._state_ref = self.state
-        self._state_version = self.state.version
+        self._state_version = _state_version(self.state)
 
     def _prepare(self) -> list[tuple]:
         """(index, group, plan, grads) of every group, plan None for a group without grads. Every
         group's grads are checked, and every plan built, before the caller launches a kernel or
         counts a step: bad input (a sparse grad, a grad in another memory format than its
-        param) raises with nothing changed."""
+        param) raises with nothing changed. Not on a cached C++ plan's path (CUDA), whose grads
+        only its own launch checks (README, "Bad input")."""
         self._begin_step()
         found = []
         try:
@@ -534,9 +548,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if m is None:
                         early = self._early_masters.pop(p, None)
                         if early is not None:
-                            m, mark = early
-                            if _weights_mark(p) != mark and m.shape == p.shape:
-                                m.copy_(p.detach())  # weights loaded since: the same tensor
+                            m, mark, m_version = early
+                            # Weights loaded into the param since (and the master not written
+                            # itself, as a restore from an fp32 checkpoint does): the same tensor
+                            # takes them.
+                            if (
+                                _weights_mark(p) != mark
+                                and m._version == m_version
+                                and m.shape == p.shape
+                            ):
+                                m.copy_(p.detach())
                             state[MASTER_KEY] = m
                     if m is None:
                         m = state[MASTER_KEY] = p.detach().float()
@@ -697,7 +718,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if m is None:
             early = self._early_masters.get(p)
             if early is None:
-                early = self._early_masters[p] = (p.detach().float(), _weights_mark(p))
+                m = p.detach().float()
+                early = self._early_masters[p] = (m, _weights_mark(p), m._version)
             m = early[0]
         return m
 
@@ -797,7 +819,10 @@ def _value(x) -> float:
 
 
 def check_lr(where: str, lr) -> None:
-    if not isinstance(lr, (numbers.Real, torch.Tensor)):
+    # A number, a tensor, or anything float() takes but a string (a 0-d numpy array).
+    if not isinstance(lr, (numbers.Real, torch.Tensor)) and (
+        isinstance(lr, (str, bytes)) or not hasattr(lr, "__float__")
+    ):
         raise TypeError(
             f"{where}: lr must be a number or a one-element tensor, got {type(lr).__name__} {lr!r}"
         )

@@ -9,7 +9,7 @@ import torch
 import amp_C
 from apex.multi_tensor_apply import ops
 
-from ._base import FusedOptimizer, check_eps, check_lr, check_nonneg
+from ._base import FusedOptimizer, check_eps, check_lr, check_nonneg, opaque_to_dynamo
 
 __all__ = ["FusedAdagrad"]
 
@@ -62,7 +62,7 @@ class FusedAdagrad(FusedOptimizer):
         check_eps(where, group["eps"])
         check_nonneg(where, "weight_decay", group["weight_decay"])
 
-    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
+    @opaque_to_dynamo  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One Adagrad step over every group; ``closure`` re-evaluates the model, returns the loss."""

@@ -20,6 +20,7 @@ from ._base import (
     check_lr,
     check_nonneg,
     group_device,
+    opaque_to_dynamo,
 )
 
 __all__ = ["FusedAdam", "fused_adam_state_to_torch", "torch_state_to_fused_adam"]
@@ -146,7 +147,7 @@ class FusedAdam(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
+    @opaque_to_dynamo  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(
         self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, **kwargs

@@ -10,7 +10,7 @@ import torch
 import amp_C
 from apex.multi_tensor_apply import ops
 
-from ._base import FusedOptimizer, check_betas, check_eps, check_lr, check_nonneg
+from ._base import FusedOptimizer, check_betas, check_eps, check_lr, check_nonneg, opaque_to_dynamo
 
 __all__ = ["FusedLAMB"]
 
@@ -98,7 +98,7 @@ class FusedLAMB(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
+    @opaque_to_dynamo  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB step over every group; ``closure`` re-evaluates the model, returns the loss."""

@@ -17,6 +17,7 @@ from ._base import (
     check_eps,
     check_lr,
     check_nonneg,
+    opaque_to_dynamo,
 )
 
 __all__ = ["FusedMixedPrecisionLamb"]
@@ -163,7 +164,7 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
+    @opaque_to_dynamo  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """One LAMB step over every group, without a host sync; ``closure`` re-evaluates the

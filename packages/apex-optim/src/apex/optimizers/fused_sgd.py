@@ -10,7 +10,7 @@ from torch.optim.optimizer import required
 import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier, ops
 
-from ._base import Bucket, FusedOptimizer, Scaling, check_lr, check_nonneg
+from ._base import Bucket, FusedOptimizer, Scaling, check_lr, check_nonneg, opaque_to_dynamo
 
 __all__ = ["FusedSGD"]
 
@@ -150,7 +150,7 @@ class FusedSGD(FusedOptimizer):
 
     # ---- step ----------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # see FusedOptimizer: compiled code calls the step, never traces it
+    @opaque_to_dynamo  # see FusedOptimizer: compiled code calls the step, never traces it
     @torch.no_grad()
     def step(self, closure=None):
         """One SGD step over every group; ``closure`` re-evaluates the model, returns the loss."""
