@@ -7,6 +7,15 @@ import io
 
 import torch
 
+from apex.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOW = [torch.float16, torch.bfloat16]
 
@@ -90,3 +99,20 @@ def fp32_copies(ps) -> list[torch.nn.Parameter]:
 
 
 deepcopy = copy.deepcopy
+
+
+# Every fused optimizer by name, with the arguments the shared tests give it.
+OPTIMIZERS = {
+    "FusedAdam": (FusedAdam, {}),
+    "FusedSGD": (FusedSGD, {"lr": 0.1, "momentum": 0.9}),
+    "FusedNovoGrad": (FusedNovoGrad, {}),
+    "FusedAdagrad": (FusedAdagrad, {}),
+    "FusedLAMB": (FusedLAMB, {}),
+    "FusedMixedPrecisionLamb": (FusedMixedPrecisionLamb, {}),
+}
+NAMES = list(OPTIMIZERS)
+
+
+def make(name, ps, **kw):
+    cls, base = OPTIMIZERS[name]
+    return cls(ps, **{**base, **kw})

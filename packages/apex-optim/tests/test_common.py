@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optim_testing import params, run_synthetic
+from optim_testing import NAMES, make, params, run_synthetic
 
 from apex.optimizers import (
     FusedAdagrad,
@@ -14,21 +14,6 @@ from apex.optimizers import (
     FusedNovoGrad,
     FusedSGD,
 )
-
-OPTIMIZERS = {
-    "FusedAdam": (FusedAdam, {}),
-    "FusedSGD": (FusedSGD, {"lr": 0.1, "momentum": 0.9}),
-    "FusedNovoGrad": (FusedNovoGrad, {}),
-    "FusedAdagrad": (FusedAdagrad, {}),
-    "FusedLAMB": (FusedLAMB, {}),
-    "FusedMixedPrecisionLamb": (FusedMixedPrecisionLamb, {}),
-}
-NAMES = list(OPTIMIZERS)
-
-
-def make(name, ps, **kw):
-    cls, base = OPTIMIZERS[name]
-    return cls(ps, **{**base, **kw})
 
 
 @pytest.mark.parametrize("name", NAMES)

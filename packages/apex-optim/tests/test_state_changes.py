@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optim_testing import assert_close, params, roundtrip, run_synthetic
+from optim_testing import NAMES, assert_close, make, params, roundtrip, run_synthetic
 
 from apex.optimizers import (
-    FusedAdagrad,
     FusedAdam,
-    FusedLAMB,
     FusedMixedPrecisionLamb,
-    FusedNovoGrad,
     FusedSGD,
 )
 
-OPTIMIZERS = {
-    "FusedAdam": (FusedAdam, {}),
-    "FusedSGD": (FusedSGD, {"lr": 0.1, "momentum": 0.9}),
-    "FusedNovoGrad": (FusedNovoGrad, {}),
-    "FusedAdagrad": (FusedAdagrad, {}),
-    "FusedLAMB": (FusedLAMB, {}),
-    "FusedMixedPrecisionLamb": (FusedMixedPrecisionLamb, {}),
-}
-NAMES = list(OPTIMIZERS)
 STATE_KEY = {
     "FusedAdam": "exp_avg",
     "FusedSGD": "momentum_buffer",
@@ -33,11 +21,6 @@ STATE_KEY = {
     "FusedLAMB": "exp_avg",
     "FusedMixedPrecisionLamb": "exp_avg",
 }
-
-
-def make(name, ps, **kw):
-    cls, base = OPTIMIZERS[name]
-    return cls(ps, **{**base, **kw})
 
 
 def conv_model():
