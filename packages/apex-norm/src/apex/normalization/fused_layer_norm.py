@@ -453,15 +453,10 @@ def _script_norm(
                 f"{name} has shape {list(p.shape)} but normalized_shape is {normalized_shape}"
             )
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
-    out_dtype = input.dtype
-    if weight is not None:
-        if mixed or (
-            input.dtype == torch.float32 and weight.dtype in [torch.float16, torch.bfloat16]
-        ):
-            out_dtype = weight.dtype
+    out_dtype = ops.output_dtype(input.dtype, weight.dtype if weight is not None else None, mixed)
     dims: list[int] = []
-    for i in range(len(normalized_shape)):
-        dims.append(i - len(normalized_shape))
+    for i in range(k):
+        dims.append(i - k)
     x = input.to(acc)
     if not rms:
         x = x - x.mean(dims, keepdim=True)
@@ -477,9 +472,9 @@ def _script_norm(
 
 
 def _as_size(normalized_shape) -> torch.Size:
-    if isinstance(normalized_shape, numbers.Integral) or ops._is_int_tensor(normalized_shape):
-        return torch.Size(ops.as_normalized_shape(normalized_shape))
-    return torch.Size(ops.as_normalized_shape(tuple(normalized_shape)))
+    if not (isinstance(normalized_shape, numbers.Integral) or ops._is_int_tensor(normalized_shape)):
+        normalized_shape = tuple(normalized_shape)
+    return torch.Size(ops.as_normalized_shape(normalized_shape))
 
 
 class FusedLayerNorm(torch.nn.Module):

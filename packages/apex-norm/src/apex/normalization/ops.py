@@ -190,17 +190,17 @@ def _check_op_arguments(name: str, a: dict) -> None:
             )
 
 
-def _define():
+def _define(references):
     from apex.multi_tensor_apply.build.oplib import define_ops
 
-    return define_ops(
-        "apex_norm", NORM, SCHEMAS, {n: _checked_reference(n) for n in SCHEMAS}, _FAKES
-    )
+    return define_ops("apex_norm", NORM, SCHEMAS, references, _FAKES)
 
 
-# Schemas, references, fakes, and the CUDA loaders that fetch apex_norm_C on first use.
-OPS = _define()
+# The checked references: the ops' kernel for every device but CUDA's compiled one, and what
+# _ops gives float64 on a GPU.
 _CHECKED_REFERENCE = types.SimpleNamespace(**{n: _checked_reference(n) for n in SCHEMAS})
+# Schemas, references, fakes, and the CUDA loaders that fetch apex_norm_C on first use.
+OPS = _define(vars(_CHECKED_REFERENCE))
 
 
 def kernels_loaded() -> bool:

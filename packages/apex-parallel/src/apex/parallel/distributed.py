@@ -380,10 +380,7 @@ class DistributedDataParallel(torch.nn.Module):
         tensors = list(bucket)
         with torch.no_grad():
             flat = flatten(tensors)
-            reduced = flat
-            if self.allreduce_always_fp32 and flat.dtype != torch.float32:
-                reduced = flat.float()
-            _scale_(reduced, 1.0 / self.gradient_predivide_factor)
+            reduced = self._to_reduce(flat)  # a float32 copy with allreduce_always_fp32
             dist.all_reduce(reduced, group=self._group(bucket_idx))
             self._average_(reduced)
             if reduced is not flat:
@@ -495,9 +492,12 @@ class DistributedDataParallel(torch.nn.Module):
         return self._streams[i % len(self._streams)]
 
     def _flat_to_reduce(self, tensors):
-        """``tensors`` in one flat buffer for the all_reduce: float32 with
-        ``allreduce_always_fp32``, divided by ``gradient_predivide_factor``."""
-        flat = flatten(tensors)
+        """``tensors`` in one flat buffer for the all_reduce (_to_reduce)."""
+        return self._to_reduce(flatten(tensors))
+
+    def _to_reduce(self, flat):
+        """What the all_reduce takes of ``flat``: a float32 copy with ``allreduce_always_fp32``
+        (else ``flat`` itself), divided by ``gradient_predivide_factor``."""
         if self.allreduce_always_fp32 and flat.dtype != torch.float32:
             flat = flat.float()
         _scale_(flat, 1.0 / self.gradient_predivide_factor)
