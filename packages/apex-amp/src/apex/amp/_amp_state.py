@@ -35,7 +35,7 @@ class AmpState:
         self.max_loss_scale = 2.0**24
         self.initialized = False
         # Extensions: the low-precision dtype chosen, the device type models live on, and the
-        # optimizers passed to initialize (so scale_loss can name a stranger).
+        # models and optimizers the last initialize processed.
         self.low_precision_dtype = None
         self.device_type = None
         self.optimizers: list = []

@@ -74,10 +74,6 @@ def widest_dtype(args, kwargs) -> torch.dtype | None:
     return widest
 
 
-def _autocast_on_by_device(device_type: str) -> bool:
-    return torch.is_autocast_enabled(device_type)
-
-
 def _autocast_on_legacy(device_type: str) -> bool:  # torch < 2.4 took no device
     if device_type == "cpu":
         return torch.is_autocast_cpu_enabled()
@@ -89,7 +85,7 @@ def _pick_autocast_on():
         torch.is_autocast_enabled("cpu")
     except TypeError:
         return _autocast_on_legacy
-    return _autocast_on_by_device
+    return torch.is_autocast_enabled  # takes the device type itself (torch >= 2.4)
 
 
 # Chosen once: O1's wrapped functions ask on every call.

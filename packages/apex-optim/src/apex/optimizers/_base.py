@@ -11,6 +11,7 @@ plan was built for). Nothing here reads a device value on the host: no ``.item()
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -422,6 +423,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         try:
             for index, group in enumerate(self.param_groups):
                 found.append(self._cached_plan(index, group))
+            if None in found:
+                self._prune_early_masters()
             for index, group in enumerate(self.param_groups):
                 if found[index] is None:
                     self._check_grads(index, group["params"])
@@ -434,6 +437,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         return work
 
+    @contextlib.contextmanager
+    def _stepping(self):
+        """``with self._stepping() as work:`` the steps' frame: _prepare's work; on an error the
+        grads the C++ plans fetched are dropped (none kept past the step), else the step ends."""
+        work = self._prepare()
+        try:
+            yield work
+        except BaseException:
+            self._release(work)
+            raise
+        self._end_step()
+
     @staticmethod
     def _release(work) -> None:
         """Drops the grads the C++ plans of ``work`` fetched (a step that did not run them)."""
@@ -442,10 +457,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for b in plan.buckets:
                     if b.native is not None:
                         b.native.release()
-
-    def _plan(self, index: int, group: dict[str, Any]):
-        """(plan, grads) for the group, or (None, None) when no param of it has a grad."""
-        return self._cached_plan(index, group) or self._new_plan(index, group)
 
     def _cached_plan(self, index: int, group: dict[str, Any]):
         """(plan, grads) from the group's cached plan, (None, None) when none of its params has
@@ -475,12 +486,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         return (plan, grads) if grads else (None, None)
 
     def _new_plan(self, index: int, group: dict[str, Any]):
-        """(plan, grads) from a plan built now (it checks the grads), or (None, None)."""
-        plan = self._build_plan(index, group, group["params"], self._state_keys_for(group))
+        """(plan, grads) from a plan built now (_prepare checked the grads), or (None, None)."""
+        plan, grads = self._build_plan(index, group, group["params"], self._state_keys_for(group))
         self._plans[index] = plan
         if not plan.live:
             return None, None
-        return plan, [p.grad for p in plan.live]
+        return plan, grads
 
     def _check_grads(self, index: int, params: list) -> None:
         """Refuses sparse grads and grads the kernels cannot take with their params, naming the
@@ -510,8 +521,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
 
     def _build_plan(self, index: int, group: dict, params: list, keys: tuple) -> Plan:
-        self._prune_early_masters()
-        self._check_grads(index, params)
         live = [p for p in params if p.grad is not None]
         dead = [p for p in params if p.grad is None]
         # Buckets by (device, dtype), in order of first appearance; params keep group order.
@@ -581,12 +590,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         # What the next steps' grads are compared with: that each is contiguous (the usual
         # case, and the cheapest test), else their strides.
         plan.strides = None if _contiguous(grads) else _strides(grads)
-        plan.shaped = [p for p in plan.live if p.dim() >= 4]
-        plan.shaped_strides = _strides(plan.shaped)
         for b in plan.buckets:
             b.native = self._native_plan(group, b)
         plan.native = bool(plan.buckets) and all(b.native is not None for b in plan.buckets)
-        return plan
+        # What a step on the C++ plans compares (they check the grads themselves): the strides
+        # of the params whose memory format can change (4-d and 5-d).
+        plan.shaped = [p for p in plan.live if p.dim() >= 4] if plan.native else []
+        plan.shaped_strides = _strides(plan.shaped)
+        return plan, grads
 
     def _native_plan(self, group: dict, bucket: Bucket):
         """A C++ plan of the bucket's lists (see ops.adam_plan), or None: the optimizers that have

@@ -167,8 +167,7 @@ class FusedAdam(FusedOptimizer):
             )
         loss = self._closure(closure)
         scaling = self._scaling(grad_scaler)
-        work = self._prepare()
-        try:
+        with self._stepping() as work:
             for index, group, plan, group_grads in work:
                 if plan is None:
                     # apex counts a step in every group with params, grads or not (see
@@ -177,10 +176,6 @@ class FusedAdam(FusedOptimizer):
                         self._advance_step(group, group["params"][0].device, scaling)
                     continue
                 self._step_group(index, group, plan, group_grads, scaling)
-        except BaseException:
-            self._release(work)  # no C++ plan keeps a grad past the step
-            raise
-        self._end_step()
         return loss
 
     def _advance_step(self, group, device: torch.device, scaling: Scaling | None):

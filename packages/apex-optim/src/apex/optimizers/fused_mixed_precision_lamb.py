@@ -186,7 +186,7 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                 idle.append(group)  # apex counts its step too (below)
         if not work:
             for group in idle:
-                group["step"].add_(1)
+                self._count_idle_group(group)
             self._end_step()
             return loss
         device = work[0][2].device
@@ -205,8 +205,10 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
         max_grad_norm = scale.float() * self.defaults["max_grad_norm"]
         all_grads = [g for *_, grads in work for g in grads]
         grad_norm = ops.multi_tensor_l2norm_mp(all_grads, noop, False)[0]
-        for group in idle:  # as apex: every group's step counts the steps not skipped
-            group["step"].add_(noop.eq(0).to(group["step"].device, group["step"].dtype))
+        if idle:  # as apex: every group's step counts the steps not skipped
+            counted = noop.eq(0)
+            for group in idle:
+                group["step"].add_(counted.to(group["step"].device, group["step"].dtype))
         for index, group, plan, grads in work:
             step = group["step"]
             step.add_(noop.eq(0).to(step.dtype))

@@ -160,8 +160,7 @@ class FusedSGD(FusedOptimizer):
             self._step_amp_stash(stash)
         else:
             scaling = self._scaling()
-            work = self._prepare()
-            try:
+            with self._stepping() as work:
                 for index, group, plan, grads in work:
                     if plan is None:
                         continue
@@ -173,10 +172,6 @@ class FusedSGD(FusedOptimizer):
                             self._step_tensors(index, group, b, g, scaling)
                         else:
                             self._step_kernel(group, b, g, scaling)
-            except BaseException:
-                self._release(work)  # no C++ plan keeps a grad past the step
-                raise
-            self._end_step()
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
