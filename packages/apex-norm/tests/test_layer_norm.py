@@ -402,23 +402,26 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
     [
         "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
-        "bwd_ring=0,ln_one_pass=0",  # the knobs' other kernels and the merged forward moments
+        # the knobs' other kernels and the merged forward moments; the forward's input loads
+        # skipping L1
+        "bwd_ring=0,ln_one_pass=0,fwd_hint=1",
         # the 16-bit kernels without their 80-register caps; LayerNorm's 4-vector ring (H=8192,
-        # 16384) through its LEAN variant
-        "fwd_r80=0,bwd_r80=0,bwd_lean4=3",
+        # 16384) through its LEAN variant; the forward's weight and bias at L1::evict_last
+        "fwd_r80=0,bwd_r80=0,bwd_lean4=3,fwd_hint=3",
         # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
-        # ring (H=8192, 16384) with its bias sums one float each
-        "bwd_ring=4,bwd_bias4=0",
+        # ring (H=8192, 16384) with its bias sums one float each; every forward cache hint (the
+        # 80-register forward's too)
+        "bwd_ring=4,bwd_bias4=0,fwd_hint=7",
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
     fresh one), the ring or the one-pass forward off, the 16-bit kernels without their register
     caps or their LEAN ring (and LayerNorm's 4-vector ring with it), the forward's vectors a
-    thread at H=4096 back at 8, or a deeper ring with scalar bias sums, each case takes another
-    kernel and is still right."""
+    thread at H=4096 back at 8, a deeper ring with scalar bias sums, or the forward's cache
+    hints, each case takes another kernel and is still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in KNOB_CASES]
     script.write_text(

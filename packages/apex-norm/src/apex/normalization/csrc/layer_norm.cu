@@ -185,6 +185,47 @@ __device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) 
   o = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p) + i);
 }
 
+// The 16-bit forward's cache hints (Tune's fwd_hint; LEAN kernels only). kHintX: the input's
+// loads skip L1 (L1::no_allocate): each row is read once, and its lines would push out of L1 the
+// weight and bias that every row of the block reads again. kHintParams: weight and bias through
+// the read-only path, kept in L1 at L1::evict_last. kHintY: the output stored as streaming data
+// (st.global.cs, evict-first in L2). Without a hint, plain loads and stores.
+constexpr int kHintX = 1, kHintParams = 2, kHintY = 4;
+
+// A 16-byte vector of 16-bit elements: loaded, with the hint in `bit` (kHintX or kHintParams) if
+// HINT has it, else plainly; stored (kHintY) likewise. The asm is volatile so that each load
+// keeps its place against the compiler barriers around it (see fwd_rows).
+template <int HINT, int bit, typename T>
+__device__ __forceinline__ void load_pack_hinted(const T* p, Pack<T>& o) {
+  static_assert(sizeof(Pack<T>) == 16, "hints are for 16-byte vectors");
+  if constexpr ((HINT & bit) != 0) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(o.v);
+    if constexpr (bit == kHintX) {
+      asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                   : "l"(p));
+    } else {
+      asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                   : "l"(p));
+    }
+  } else {
+    o = *reinterpret_cast<const Pack<T>*>(p);
+  }
+}
+
+template <int HINT, typename T>
+__device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& pk) {
+  static_assert(sizeof(Pack<T>) == 16, "hints are for 16-byte vectors");
+  if constexpr ((HINT & kHintY) != 0) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(pk.v);
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w[0]), "r"(w[1]),
+                 "r"(w[2]), "r"(w[3]));
+  } else {
+    *reinterpret_cast<Pack<T>*>(p) = pk;
+  }
+}
+
 // An empty asm on a packed 16-bit vector's words: the compiler must assume they changed, so it
 // converts them to float again at the next use instead of keeping the earlier conversions live.
 template <typename T>
@@ -317,14 +358,42 @@ __device__ __forceinline__ void store_out_vec(void* p, int dt, int64_t i, const 
   }
 }
 
+// The forward's weight or bias vector and output vector: with HINT's kHintParams / kHintY (LEAN
+// only), through the hinted access; else as load_param_vec / store_out_vec.
+template <typename Tx, bool LEAN, int HINT>
+__device__ __forceinline__ void fwd_param_vec(const void* p, int dt, int64_t i, float (&o)[kVec]) {
+  if constexpr ((HINT & kHintParams) != 0) {
+    Pack<Tx> pk;
+    load_pack_hinted<HINT, kHintParams>(static_cast<const Tx*>(p) + i, pk);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = elem(pk, e);
+  } else {
+    load_param_vec<Tx, LEAN>(p, dt, i, o);
+  }
+}
+
+template <typename Tx, bool LEAN, int HINT>
+__device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
+  if constexpr ((HINT & kHintY) != 0) {
+    Pack<Tx> pk;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) pk.v[e] = static_cast<Tx>(o[e]);
+    store_pack_hinted<HINT>(static_cast<Tx*>(p) + i, pk);
+  } else {
+    store_out_vec<Tx, LEAN>(p, dt, i, o);
+  }
+}
+
 // One row per group per iteration: the row's NV vectors per thread are loaded at once, summed,
 // then normalised and written from the registers. LEAN: weight, bias and output in the input's
 // 16-bit dtype (no dtype branches), and the row converted to float again for the output rather
 // than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 86 registers, not 126).
 // Two kernels run it: fwd_fast (blocks of up to kMaxTX threads, so 128 registers at most) and
 // fwd_fast_r80 (LEAN at 80 registers: three blocks of 256 threads per SM); see Tune's fwd_r80.
-template <typename Tx, int NV, bool RMS, bool LEAN>
+// HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows only).
+template <typename Tx, int NV, bool RMS, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
+  static_assert(HINT == 0 || (LEAN && sizeof(Tx) == 2), "cache hints are for 16-bit LEAN rows");
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
   GroupSum<false> gsum{reinterpret_cast<float2*>(slots), 0};
@@ -339,7 +408,13 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
-      if (live && j < nvec) load_pack(a.x, row * a.H + j * kVec, cur[k]);
+      if (live && j < nvec) {
+        if constexpr (HINT != 0) {
+          load_pack_hinted<HINT, kHintX>(static_cast<const Tx*>(a.x) + row * a.H + j * kVec, cur[k]);
+        } else {
+          load_pack(a.x, row * a.H + j * kVec, cur[k]);
+        }
+      }
     }
     float mu = 0.f, r;
     if (RMS) {
@@ -423,12 +498,12 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
         const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
         if (j < nvec) {
           float w[kVec], b[kVec], o[kVec];
-          if (a.w) load_param_vec<Tx, LEAN>(a.w, a.wt, j * kVec, w);
+          if (a.w) fwd_param_vec<Tx, LEAN, HINT>(a.w, a.wt, j * kVec, w);
           // A compiler barrier: each vector's weight is loaded in its own step rather than all of
           // them hoisted ahead and held (ptxas, nvcc 13.0 sm_90, bf16 at 8 vectors: fwd_fast_r80
           // at 80 registers without the 8-24 bytes of spill it had, for RMSNorm and LayerNorm).
           asm volatile("" ::: "memory");
-          if (!RMS && a.b) load_param_vec<Tx, LEAN>(a.b, a.wt, j * kVec, b);
+          if (!RMS && a.b) fwd_param_vec<Tx, LEAN, HINT>(a.b, a.wt, j * kVec, b);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             // (x - mu) * r, not the one fma x * r - mu * r: that one leaves the rounding of
@@ -442,16 +517,16 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
               o[e] = a.w ? y * w[e] : y;
             }
           }
-          store_out_vec<Tx, LEAN>(a.y, a.yt, row * a.H + j * kVec, o);
+          fwd_out_vec<Tx, LEAN, HINT>(a.y, a.yt, row * a.H + j * kVec, o);
         }
       }
     }
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool LEAN>
+template <typename Tx, int NV, bool RMS, bool LEAN, int HINT = 0>
 __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
-  fwd_rows<Tx, NV, RMS, LEAN>(a);
+  fwd_rows<Tx, NV, RMS, LEAN, HINT>(a);
 }
 
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
@@ -459,9 +534,9 @@ __global__ void __launch_bounds__(kMaxTX) fwd_fast(FwdArgs a) {
 #else
 #define APEX_NORM_MAXNREG_80 __launch_bounds__(kMaxTX)  // no __maxnreg__ before CUDA 12.4
 #endif
-template <typename Tx, int NV, bool RMS>
+template <typename Tx, int NV, bool RMS, int HINT = 0>
 __global__ void APEX_NORM_MAXNREG_80 fwd_fast_r80(FwdArgs a) {
-  fwd_rows<Tx, NV, RMS, true>(a);
+  fwd_rows<Tx, NV, RMS, true, HINT>(a);
 }
 
 template <typename Tx, bool RMS>
@@ -1299,6 +1374,14 @@ struct Tune {
   // 256 threads); 0 the general ring. Not yet timed: the LEAN 4-vector ring measured at 18:1x
   // kept its bias sums in registers (127 of them) and was slower.
   int bwd_lean4 = 0;
+  // The 16-bit forward's cache hints where weight, bias and output share the input's dtype (see
+  // kHintX): 0 none; 1 the input's loads skip L1; 3 also weight and bias at L1::evict_last
+  // through the read-only path; 7 also the output stored as streaming data (other values: none).
+  // Hypothesis (2026-12-05, not yet timed): LayerNorm's forward trails RMSNorm's in the same
+  // kernel shapes (about 90 % of copy against 97-100 % at H >= 4096) because each row's input
+  // lines, read once, evict from L1 the weight and bias every row reads again (LayerNorm reads
+  // twice RMSNorm's parameter bytes per row).
+  int fwd_hint = 0;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1317,7 +1400,7 @@ constexpr Knob kKnobs[] = {
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
-    {"bwd_lean4", &Tune::bwd_lean4, 0, kAny},
+    {"bwd_lean4", &Tune::bwd_lean4, 0, kAny},     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1490,10 +1573,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
       auto kernel = fwd_fast<Tx, NV, RMS, false>;
       if constexpr (sizeof(Tx) == 2) {
         if (same) {
-          kernel = fwd_fast<Tx, NV, RMS, true>;
           // The cap only at 8 vectors a thread, where the row needs more than 80 registers.
-          if constexpr (NV == 8) {
-            if (tune().fwd_r80 & (RMS ? 2 : 1)) kernel = fwd_fast_r80<Tx, NV, RMS>;
+          const bool r80 = NV == 8 && (tune().fwd_r80 & (RMS ? 2 : 1));
+          auto lean = [&](auto hint_tag) {
+            constexpr int HINT = decltype(hint_tag)::value;
+            if constexpr (NV == 8) {
+              if (r80) return fwd_fast_r80<Tx, NV, RMS, HINT>;
+            }
+            return fwd_fast<Tx, NV, RMS, true, HINT>;
+          };
+          // Tune's fwd_hint: the hint sets compiled (see kHintX), else none.
+          switch (tune().fwd_hint) {
+            case kHintX: kernel = lean(std::integral_constant<int, kHintX>{}); break;
+            case kHintX | kHintParams:
+              kernel = lean(std::integral_constant<int, kHintX | kHintParams>{});
+              break;
+            case kHintX | kHintParams | kHintY:
+              kernel = lean(std::integral_constant<int, kHintX | kHintParams | kHintY>{});
+              break;
+            default: kernel = lean(std::integral_constant<int, 0>{}); break;
           }
         }
       }
