@@ -362,3 +362,97 @@ def test_parametrized_weight_is_used():
         plain.weight.mul_(2)
     parametrize.register_parametrization(para, "weight", Double())
     torch.testing.assert_close(para(x), plain(x))
+
+
+# ---- apex's autograd Function called directly ------------------------------------------------
+
+
+def _apex_function():
+    from apex.parallel.optimized_sync_batchnorm_kernel import SyncBatchnormFunction
+
+    return SyncBatchnormFunction
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("momentum", [0.1, 1.0])
+def test_function_takes_apex_argument_list(momentum, device):
+    """apex's positional call (input, z, weight, bias, running_mean, running_var, eps,
+    track_running_stats, momentum, process_group, channel_last, fuse_relu): batch statistics,
+    the running estimates updated by ``momentum``, torch's gradients."""
+    fn = _apex_function()
+    ref, _ = _pair(4, momentum=momentum)
+    ref = ref.to(device)
+    x = torch.randn(3, 4, 5, 2, device=device) * 2 + 1
+    xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    w, b = ref.weight.detach().clone().requires_grad_(), ref.bias.detach().clone().requires_grad_()
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+    yr = ref(xr)
+    ys = fn.apply(xs, None, w, b, rm, rv, 1e-5, True, momentum, None, False, False)
+    torch.testing.assert_close(ys, yr, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(x)
+    yr.backward(g)
+    ys.backward(g)
+    torch.testing.assert_close(xs.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, ref.weight.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.grad, ref.bias.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rm, ref.running_mean)
+    torch.testing.assert_close(rv, ref.running_var)
+
+
+def test_function_apex_channel_last_z_and_fused_relu():
+    """channel_last=True takes (..., C) input; z added before the fused ReLU; apex's defaults
+    for the arguments after eps (a batch-statistics step, momentum 1.0)."""
+    fn = _apex_function()
+    ref, _ = _pair(4, momentum=1.0)
+    x, z = torch.randn(3, 4, 3, 5), torch.randn(3, 4, 3, 5)
+    xr = x.clone().requires_grad_()
+    yr = torch.relu(ref(xr) + z)
+    g = torch.randn_like(x)
+    yr.backward(g)
+    xs = x.movedim(1, -1).contiguous().requires_grad_()
+    zs = z.movedim(1, -1).contiguous().requires_grad_()
+    rm, rv = torch.zeros(4), torch.ones(4)
+    ys = fn.apply(xs, zs, ref.weight.detach(), ref.bias.detach(), rm, rv, 1e-5, True, 1.0, None,
+                  True, True)  # fmt: skip
+    ys.backward(g.movedim(1, -1))
+    torch.testing.assert_close(ys.movedim(-1, 1), yr, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(xs.grad.movedim(-1, 1), xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(zs.grad.movedim(-1, 1), g * (yr > 0), atol=0, rtol=0)
+    torch.testing.assert_close(rv, ref.running_var)
+    plain = fn.apply(x, None, None, None, None, None, 1e-5)  # apex's defaults: (N, C, *)
+    want = torch.nn.functional.batch_norm(x, None, None, training=True, eps=1e-5)
+    torch.testing.assert_close(plain, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("channel_last", [False, True])
+def test_function_without_batch_statistics_is_eval_batch_norm(channel_last, device):
+    """track_running_stats=False (apex's module passes ``training or not
+    track_running_stats``): normalised by the running estimates, which stay as they are, and
+    differentiated as torch's eval batch_norm (no batch-mean terms in the input gradient)."""
+    fn = _apex_function()
+    x = torch.randn(3, 4, 5, 2, device=device) * 2 + 1
+    w, b = torch.rand(4, device=device) + 0.5, torch.randn(4, device=device)
+    rm, rv = torch.randn(4, device=device), torch.rand(4, device=device) + 0.5
+    rm0, rv0 = rm.clone(), rv.clone()
+    xr = x.clone().requires_grad_()
+    wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
+    yr = torch.nn.functional.batch_norm(xr, rm, rv, wr, br, False, 0.1, 1e-5)
+    g = torch.randn_like(x)
+    yr.backward(g)
+    xs = (x.movedim(1, -1).contiguous() if channel_last else x.clone()).requires_grad_()
+    ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+    ys = fn.apply(xs, None, ws, bs, rm, rv, 1e-5, False, 0.1, None, channel_last, False)
+    ys.backward(g.movedim(1, -1) if channel_last else g)
+    back = (lambda t: t.movedim(-1, 1)) if channel_last else (lambda t: t)
+    torch.testing.assert_close(back(ys), yr, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(back(xs.grad), xr.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ws.grad, wr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(bs.grad, br.grad, atol=1e-4, rtol=1e-4)
+    assert torch.equal(rm, rm0) and torch.equal(rv, rv0)
+
+
+def test_function_without_batch_statistics_needs_running_estimates():
+    fn = _apex_function()
+    with pytest.raises(ValueError, match="running_mean and running_var must be given"):
+        fn.apply(torch.randn(4, 3), None, None, None, None, None, 1e-5, False)

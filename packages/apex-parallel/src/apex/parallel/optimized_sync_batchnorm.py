@@ -208,8 +208,8 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training:
             # No running statistics in eval: this rank's own batch statistics, no communication.
             return _apply(
-                input, z, weight, bias, None, None, self.eps, 0.0, None, 1, self.fuse_relu, None,
-                flat,
+                input, z, weight, bias, None, None, self.eps, True, 0.0, None, flat,
+                self.fuse_relu, 1, None,
             )  # fmt: skip
         group, world = self._group()
         # num_batches_tracked is incremented, and momentum=None's factor 1 / num_batches_tracked
@@ -220,8 +220,8 @@ class SyncBatchNorm(_BatchNorm):
         if momentum is None and nbt is None:
             momentum = 0.0
         return _apply(
-            input, z, weight, bias, running_mean, running_var, self.eps, momentum, group, world,
-            self.fuse_relu, nbt, flat,
+            input, z, weight, bias, running_mean, running_var, self.eps, True, momentum, group,
+            flat, self.fuse_relu, world, nbt,
         )  # fmt: skip
 
     def _eval_forward(self, input, z, layout, weight, bias, running_mean, running_var):

@@ -74,6 +74,26 @@ def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.T
     return gathered
 
 
+def _world_size(process_group) -> int:
+    """The group's size for a caller that gave none (apex's argument list): 1 without
+    torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(process_group)
+    return 1
+
+
+def _running_stats(x, running_mean, running_var) -> torch.Tensor:
+    """``[running_mean, running_var, count]`` packed as one rank's statistics: the forward op
+    normalises by them (eval), the count only scaling the backward's zero sums."""
+    if running_mean is None or running_var is None:
+        raise ValueError(
+            "SyncBatchnormFunction: track_running_stats=False normalises by the running "
+            "estimates, so running_mean and running_var must be given"
+        )
+    count = x.new_full((1,), x.numel() // max(x.shape[1], 1), dtype=torch.float32)
+    return torch.cat([running_mean.float(), running_var.float(), count])
+
+
 class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -85,34 +105,50 @@ class SyncBatchnormFunction(torch.autograd.Function):
         running_mean,
         running_var,
         eps,
-        momentum,
-        process_group,
-        world_size,
-        fuse_relu,
+        track_running_stats=True,
+        momentum=1.0,
+        process_group=None,
+        channel_last=False,
+        fuse_relu=False,
+        world_size=None,
         num_batches_tracked=None,
-        channels_last_flat=False,
     ):
-        """``momentum``: the running-average factor, or None for ``1 / num_batches_tracked``
-        (``num_batches_tracked``, when given, is incremented on the device).
-        ``channels_last_flat``: ``input`` (and ``z``) are apex's ``(..., C)`` layout."""
+        """apex's argument list, then two of this package's. ``track_running_stats`` (apex's
+        name; its module passes ``training or not track_running_stats``): True normalises by
+        the batch statistics of every rank in ``process_group`` and updates the running
+        estimates when given; False normalises by ``running_mean`` / ``running_var``, locally,
+        and its backward is that of the fixed affine map (torch's eval batch_norm; apex's
+        subtracted batch-mean terms there). ``momentum``: the running-average factor, or None
+        for ``1 / num_batches_tracked`` (``num_batches_tracked``, when given, is incremented on
+        the device). ``channel_last``: ``input`` (and ``z``) are ``(..., C)``, else
+        ``(N, C, *)`` in any memory format. ``world_size``: the group's size, looked up when
+        None."""
         shape = input.shape
         x = input
-        if channels_last_flat and input.dim() != 2:
+        if channel_last and input.dim() != 2:
             x = input.view(-1, shape[-1])
             if z is not None:
                 z = z.reshape(x.shape)
         c = x.shape[1]
-        if world_size == 1 and c and x.numel() == c:
-            raise ValueError(
-                "SyncBatchNorm: expected more than 1 value per channel when training, got an "
-                f"input of shape {tuple(shape)}"
-            )
-        if world_size == 1:
-            stats = None  # syncbn_forward takes this rank's statistics itself
+        if not track_running_stats:
+            # The running estimates as the one rank's statistics: no update, no exchange.
+            stats, world_size = _running_stats(x, running_mean, running_var), 1
+            running_mean = running_var = num_batches_tracked = None
+            momentum = 0.0
         else:
-            with _direct():
-                stats = _stats(x)
-            stats = gather_stats(stats, process_group, world_size)
+            if world_size is None:
+                world_size = _world_size(process_group)
+            if world_size == 1 and c and x.numel() == c:
+                raise ValueError(
+                    "SyncBatchNorm: expected more than 1 value per channel when training, got an "
+                    f"input of shape {tuple(shape)}"
+                )
+            if world_size == 1:
+                stats = None  # syncbn_forward takes this rank's statistics itself
+            else:
+                with _direct():
+                    stats = _stats(x)
+                stats = gather_stats(stats, process_group, world_size)
         with _direct():
             out, saved = _forward(
                 x, stats, z, weight, bias, running_mean, running_var, num_batches_tracked,
@@ -121,6 +157,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, saved, out if fuse_relu else None)
         ctx.process_group = process_group
         ctx.world_size = world_size
+        ctx.fixed = not track_running_stats
         ctx.has_z = z is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.shape = shape if x is not input else None
@@ -142,7 +179,13 @@ class SyncBatchnormFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed
         need_input, need_z, need_weight, need_bias = needs[:4]
         grad_input = grad_weight = grad_bias = None
-        if need_input and ctx.world_size == 1:
+        if ctx.fixed:
+            # Normalised by constants: the input gradient has no batch-mean terms (zero sums).
+            with _direct():
+                sums, grad_weight, grad_bias = _backward_reduce(dy, x, saved, weight, out)
+                if need_input:
+                    grad_input = _backward(dy, x, saved, weight, torch.zeros_like(sums), out)
+        elif need_input and ctx.world_size == 1:
             with _direct():
                 grad_input, grad_weight, grad_bias = _backward_local(dy, x, saved, weight, out)
         elif need_input or (need_weight and weight is not None) or (need_bias and ctx.bias_dtype):
@@ -167,5 +210,5 @@ class SyncBatchnormFunction(torch.autograd.Function):
             grad_bias = grad_bias.to(ctx.bias_dtype)
         return (
             grad_input, grad_z, grad_weight, grad_bias,
-            None, None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None, None,
         )  # fmt: skip
