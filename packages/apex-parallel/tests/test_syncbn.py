@@ -456,3 +456,26 @@ def test_function_without_batch_statistics_needs_running_estimates():
     fn = _apex_function()
     with pytest.raises(ValueError, match="running_mean and running_var must be given"):
         fn.apply(torch.randn(4, 3), None, None, None, None, None, 1e-5, False)
+
+
+def test_python_function_takes_apex_argument_list():
+    """apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction.apply(input, weight, bias,
+    mean, var, eps), as apex's Python SyncBatchNorm called it: normalised by the given batch
+    statistics, differentiated as torch's training batch_norm (one process: no exchange)."""
+    from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
+
+    x = torch.randn(4, 3, 5) * 2 + 1
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    yr = torch.nn.functional.batch_norm(xr, None, None, wr, br, True, 0.1, 1e-5)
+    g = torch.randn_like(x)
+    yr.backward(g)
+    xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+    mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
+    ys = SyncBatchnormFunction.apply(xs, ws, bs, mean, var, 1e-5)
+    ys.backward(g)
+    torch.testing.assert_close(ys, yr, atol=1e-5, rtol=1e-4)
+    for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="running_mean must be a tensor of the 3 channels"):
+        SyncBatchnormFunction.apply(xs, ws, bs, mean[:2], var, 1e-5)

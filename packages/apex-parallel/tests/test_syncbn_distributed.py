@@ -140,6 +140,44 @@ def _run_case(rank, world, sizes, spatial, opts, group=None, group_ranks=None):
         raise AssertionError("\n".join(failures))
 
 
+def _run_python_function(rank, world, sizes):
+    """apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction given the world's batch mean
+    and biased variance: output and input gradient of torch's training BatchNorm on the whole
+    batch (its backward all-reduces the batch-mean terms), weight and bias gradients summing
+    to torch's over the ranks."""
+    import torch.distributed as dist
+
+    from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
+
+    sizes = sizes[:world]
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn((n, C, 3, 2), generator=gen) * 2 + 1 for n in sizes]
+    gs = [torch.randn((n, C, 3, 2), generator=gen) for n in sizes]
+    w, b = torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen)
+    x_all = torch.cat(xs).requires_grad_()
+    wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
+    y_ref = torch.nn.functional.batch_norm(x_all, None, None, wr, br, True, 0.1, 1e-5)
+    y_ref.backward(torch.cat(gs))
+    sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    x = xs[rank].clone().requires_grad_()
+    ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+    red = (0, 2, 3)
+    moments = torch.cat([x.detach().sum(red), x.detach().square().sum(red)])
+    moments = torch.cat([moments, torch.tensor([float(x.numel() // C)])])
+    dist.all_reduce(moments)
+    n = moments[-1]
+    mean = moments[:C] / n
+    var = moments[C : 2 * C] / n - mean.square()
+    y = SyncBatchnormFunction.apply(x, ws, bs, mean, var, 1e-5)
+    y.backward(gs[rank])
+    torch.testing.assert_close(y, y_ref[sl].detach(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x_all.grad[sl], atol=1e-4, rtol=1e-3)
+    wg = torch.stack([ws.grad, bs.grad])
+    dist.all_reduce(wg)
+    torch.testing.assert_close(wg[0], wr.grad, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(wg[1], br.grad, atol=1e-3, rtol=1e-3)
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -168,6 +206,14 @@ def _worker(rank, world):
         results["subgroup"] = None
     except Exception as e:
         results["subgroup"] = f"rank {rank}: {type(e).__name__}: {e}"
+    dist.barrier()
+
+    # apex's Python Function called directly with the world's statistics (uneven batches).
+    try:
+        _run_python_function(rank, world, [3, 1, 2])
+        results["python_function"] = None
+    except Exception as e:
+        results["python_function"] = f"rank {rank}: {type(e).__name__}: {e}"
     dist.barrier()
 
     # Bad groups: one that leaves this rank out, and a size that does not divide the world.
@@ -206,7 +252,7 @@ def _results(world):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", [*CASES, "subgroup", "bad_groups"])
+@pytest.mark.parametrize("case", [*CASES, "subgroup", "python_function", "bad_groups"])
 def test_syncbn_matches_batchnorm_on_the_whole_batch(world, case):
     errors = [r[case] for r in _results(world) if r[case] is not None]
     assert not errors, "\n".join(errors)
