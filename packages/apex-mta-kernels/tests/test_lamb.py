@@ -1452,9 +1452,15 @@ def test_lamb_plan_bad_input_raises_before_anything_runs(device, strict_kernels)
     bucket[0][0].grad = torch.randn(13, 2, device=device)[:, 0]
     before = clone_bucket(bucket)
     noop = flag(device)
-    with pytest.raises(ValueError, match=r"multi_tensor_lamb: grads\[0\] is not contiguous"):
-        plan.step(noop, *plan_args(2, 1, 0.05, False, 2.0))
+    # A grad laid out otherwise than the plan validated: False, nothing run, nothing held (the
+    # caller's general path checks and names it before any launch).
+    assert plan.step(noop, *plan_args(2, 1, 0.05, False, 2.0)) is False
     assert_buckets_equal(bucket[1:4], before[1:4], grads=False)
+    with pytest.raises(ValueError, match=r"multi_tensor_lamb: grads\[0\] is not contiguous"):
+        gn = torch.ones(1, device=device)
+        ops.multi_tensor_lamb(
+            [p.grad for p in bucket[0]], *bucket[1:4], noop, *plan_args(2, 1, 0.05, False, 2.0, gn)
+        )
     give_grads(bucket[0], 2)
     with pytest.raises(ValueError, match=r"multi_tensor_lamb: beta1 must be in \[0, 1\), got 1"):
         plan.step(noop, LR, 1.0, 0.999, EPS, 2, True, 0.05, True, 1, None, 2.0, False)

@@ -5,6 +5,7 @@ rebuild."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -194,18 +195,40 @@ def test_native_plan_keeps_no_grad_alive(name):
     assert all(r() is None for r in refs)
 
 
-@pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
-def test_native_plan_bad_grad_raises_the_ops_message(name):
+@pytest.mark.parametrize("name", plan_names("adam", "adam-master", "sgd-momentum", "lamb"))
+def test_native_plan_bad_grad_after_cached_steps_changes_nothing(name):
+    """A grad that turns bad after the C++ plans cached their lists, in the second group: every
+    group's grads are checked before any bucket launches or any step is counted (the plans
+    used to check each bucket's at its launch, after the buckets before it had stepped); with
+    good grads again the plans step."""
     cls, kw = PLANNED[name]
-    ps = make_params("cuda")
-    opt = cls(ps, lr=1e-3, **kw)
+    dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
+    ps = make_params("cuda", dtype)
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-3, **kw)
     run(opt, ps, 2)
+    assert all(n is not None for n in natives(opt))
     before = [p.detach().clone() for p in ps]
-    ps[1].grad = torch.randn(13, 2, device="cuda")[:, 0]  # strided: revalidated, refused
-    with pytest.raises(ValueError, match=r"grads\[1\] is not contiguous"):
+    steps = [copy.deepcopy(g.get("step")) for g in opt.param_groups]
+    state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    ps[2].grad = torch.randn(tuple(reversed(ps[2].shape)), device="cuda", dtype=dtype).t()
+    with pytest.raises(
+        ValueError, match="param group 1: the grad of parameter 0 is not contiguous"
+    ):
         opt.step()
+    torch.cuda.synchronize()
     for p, b in zip(ps, before):
         assert torch.equal(p, b)  # nothing was launched
+    for p, s in zip(ps, state):
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+    for g, s in zip(opt.param_groups, steps):
+        assert str(g.get("step")) == str(s)
+    ps[2].grad = torch.randn_like(ps[2])
+    opt.step()
+    assert all(n is not None for n in natives(opt))
+    assert not all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
 @needs_lamb_plan

@@ -968,11 +968,12 @@ class LambPlan:
 
     def fetch(self) -> bool:
         """Every param's grad, held until the step ends; False (nothing held) when one is
-        missing or not strided."""
+        missing, not strided, or laid out otherwise than its param (the C++ plan's test against
+        what it validated: the caller's general path checks every grad before any launch)."""
         grads = []
         for p in self._params:
             g = p.grad
-            if g is None or g.layout != torch.strided:
+            if g is None or g.layout != torch.strided or g.stride() != p.stride():
                 self._grads = None
                 return False
             grads.append(g)

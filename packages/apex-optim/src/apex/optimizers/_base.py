@@ -416,8 +416,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """(index, group, plan, grads) of every group, plan None for a group without grads. Every
         group's grads are checked, and every plan built, before the caller launches a kernel or
         counts a step: bad input (a sparse grad, a grad in another memory format than its
-        param) raises with nothing changed. Not on a cached C++ plan's path (CUDA), whose grads
-        only its own launch checks (README, "Bad input")."""
+        param) raises with nothing changed. A cached C++ plan (CUDA) fetches its grads here and
+        refuses any that differ from what it validated, so those take this check too."""
         self._begin_step()
         found = []
         try:

@@ -2,11 +2,13 @@
 //
 // A bucket's lists, held on the C++ side so that a step costs no Python per tensor and no list
 // conversion: each step fetches every param's grad in C++, checks it against what the last full
-// validation saw (dtype, size, contiguity, device: a few loads per tensor), and launches on the
-// dtype groups found then. Anything unusual (a param without a grad, a sparse grad) makes the
-// step return false, and the caller takes the general path, which says what is wrong; anything
-// else that changed (a grad of another dtype, a param resized through .data) triggers the full
-// checks of the ops, with their messages, and a regrouping.
+// validation saw (dtypes, device, the param's sizes and strides, the grad's the same as its
+// param's: a few loads per tensor), and launches on the dtype groups found then. Anything
+// unusual (a param without a grad, a sparse grad) or changed since (a grad laid out otherwise
+// than its param, a param resized or given another dtype through .data) makes fetch return
+// false, holding nothing, and the caller takes the general path, which checks every bucket's
+// grads before any launches and says what is wrong. Only a plan's first step runs the ops' full
+// checks at its launch (the caller checked the grads before building it).
 #pragma once
 
 #include "checks.h"
@@ -24,27 +26,29 @@ class GradPlan : public torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
 
-  // Every param's grad into grads_; false when one is missing or not strided (then nothing is
-  // held). Marks the plan for full validation when anything differs from what it last saw.
+  // Every param's grad into grads_; false (nothing held) when one is missing or not strided, or
+  // when anything differs from what the last full validation saw. A plan not yet validated takes
+  // any strided grads (its first step validates them).
   bool fetch() {
     const size_t n = params_.size();
     grads_.resize(n);
-    bool same = validated_ != 0;
+    const bool validated = validated_ != 0;
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
       const at::Tensor& g = p.grad();
-      if (!g.defined() || g.layout() != at::kStrided) {
+      if (!g.defined() || g.layout() != at::kStrided ||
+          (validated && !(g.scalar_type() == gdt_[i] && p.scalar_type() == pdt_[i] &&
+                          g.device() == device_ && p.sizes().equals(sizes_[i]) &&
+                          p.strides().equals(strides_[i]) && g.sizes().equals(p.sizes()) &&
+                          g.strides().equals(p.strides())))) {
         release();
+        // Validated again at its next step: a change that the general path accepts (a param
+        // given another dtype through .data) costs one step off the plan, not every step.
+        if (g.defined() && g.layout() == at::kStrided) validated_ = 0;
         return false;
-      }
-      if (same) {
-        same = g.scalar_type() == gdt_[i] && g.numel() == numel_[i] && g.is_contiguous() &&
-               g.device() == device_ && p.numel() == numel_[i] && p.scalar_type() == pdt_[i] &&
-               p.is_contiguous();
       }
       grads_[i] = g;
     }
-    if (!same) validated_ = 0;
     fetched_ = true;
     return true;
   }
@@ -80,11 +84,13 @@ class GradPlan : public torch::CustomClassHolder {
       const size_t n = params_.size();
       gdt_.resize(n);
       pdt_.resize(n);
-      numel_.resize(n);
+      sizes_.resize(n);
+      strides_.resize(n);
       for (size_t i = 0; i < n; ++i) {
         gdt_[i] = grads_[i].scalar_type();
         pdt_[i] = params_[i].scalar_type();
-        numel_[i] = params_[i].numel();
+        sizes_[i] = params_[i].sizes().vec();
+        strides_[i] = params_[i].strides().vec();
       }
       device_ = noop_flag.device();
       validated_ = form;
@@ -97,7 +103,7 @@ class GradPlan : public torch::CustomClassHolder {
 
  private:
   std::vector<at::ScalarType> gdt_, pdt_;
-  std::vector<int64_t> numel_;
+  std::vector<std::vector<int64_t>> sizes_, strides_;  // each param's, as validated
   at::Device device_{at::kCPU};
   int validated_ = 0;     // the form last validated; 0: validate on the next step
   bool fetched_ = false;  // grads_ holds this step's grads
