@@ -1471,3 +1471,34 @@ def test_lamb_plan_bad_input_raises_before_anything_runs(device, strict_kernels)
     assert_buckets_equal(bucket[1:4], before[1:4], grads=False)
     with pytest.raises(ValueError, match="LambPlan: params has 2 tensors but work, exp_avgs and"):
         ops.lamb_plan(bucket[0], bucket[1], bucket[2][:1], bucket[3])
+
+
+@pytest.mark.parametrize("device", devices())
+def test_lamb_plan_fetch_tests_each_grad_against_its_param(device):
+    """fetch refuses (False, nothing held) a grad the ops would refuse beside its param, on
+    every step, validated or not: strided, expanded (stride 0), of another memory format; it
+    takes one whose strides differ only in size-1 dims (autograd's layout contract: a (1, 4)
+    param's grad may have strides (7, 1))."""
+    p = torch.randn(1, 4, device=device)
+    q = torch.randn(2, 3, 2, 2, device=device)
+    bucket = ([p, q], [p, q], [torch.zeros_like(p), torch.zeros_like(q)],
+              [torch.zeros_like(p), torch.zeros_like(q)], [])  # fmt: skip
+    plan = ops.lamb_plan(*bucket)
+    q.grad = torch.randn_like(q)
+    for step in (1, 2):
+        p.grad = torch.randn(2, 7, device=device)[:1, :4]  # strides (7, 1)
+        assert p.grad.stride() == (7, 1) and p.stride() == (4, 1)
+        assert plan.fetch()
+        plan.release()
+        assert plan.step(flag(device), *plan_args(step, 1, 0.0, False, 0.0, scalar(1.0, device)))
+        for bad in (
+            torch.randn(1, 8, device=device)[:, ::2],  # strides (8, 2)
+            torch.randn(1, 1, device=device).expand(1, 4),  # strides (1, 0)
+        ):
+            p.grad = bad
+            assert plan.fetch() is False
+            plan.release()
+        p.grad = torch.randn(1, 4, device=device)
+        q.grad = torch.randn_like(q).contiguous(memory_format=torch.channels_last)
+        assert plan.fetch() is False  # q is contiguous, its grad channels_last only
+        q.grad = torch.randn_like(q)

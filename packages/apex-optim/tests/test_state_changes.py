@@ -376,3 +376,22 @@ def test_importing_the_optimizers_does_not_import_dynamo():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_param_made_channels_last_with_contiguous_grad_changes_nothing(name):
+    """A param switched to channels_last through .data after cached steps, its grad still
+    contiguous (a kept grad buffer): refused by name before any group steps."""
+    a = torch.nn.Parameter(torch.randn(4, 5))
+    w = torch.nn.Parameter(torch.randn(3, 4, 2, 2))
+    opt = make(name, [{"params": [a]}, {"params": [w]}])
+    for _ in range(3):
+        a.grad, w.grad = torch.randn_like(a), torch.randn_like(w)
+        opt.step()
+    a0, steps = a.detach().clone(), [str(g.get("step")) for g in opt.param_groups]
+    w.data = w.data.to(memory_format=torch.channels_last)
+    a.grad, w.grad = torch.randn_like(a), torch.randn(3, 4, 2, 2)
+    with pytest.raises(ValueError, match="param group 1: the grad of parameter 0 has strides"):
+        opt.step()
+    assert torch.equal(a, a0)
+    assert [str(g.get("step")) for g in opt.param_groups] == steps

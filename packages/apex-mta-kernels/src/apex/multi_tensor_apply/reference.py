@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_lists
+from ._checks import check_lists, layouts
 
 Tensors = Sequence[torch.Tensor]
 
@@ -941,6 +941,12 @@ def multi_tensor_lamb_mp(
     _lamb_fused(lists, noop_flag, s, lr32, weight_decay, adam_w_mode == 0, use_nvlamb, skip)
 
 
+def _grad_fits(g: torch.Tensor, p: torch.Tensor) -> bool:
+    """A grad the ops take beside its param: dense, and sharing a memory format with it."""
+    lay = layouts(g)
+    return lay != 0 and (g.numel() <= 1 or (lay & layouts(p)) != 0)
+
+
 class LambPlan:
     """The reference of ``torch.classes.apex_mta.LambPlan`` (see ``ops.lamb_plan``): a LAMB
     bucket's lists, held across steps, each step fetching the grads from the params. The same
@@ -968,12 +974,13 @@ class LambPlan:
 
     def fetch(self) -> bool:
         """Every param's grad, held until the step ends; False (nothing held) when one is
-        missing, not strided, or laid out otherwise than its param (the C++ plan's test against
-        what it validated: the caller's general path checks every grad before any launch)."""
+        missing, not strided, of other sizes than its param, not dense, or in no memory format
+        of its param's (the C++ plan's per-step test: the caller's general path then checks
+        every grad before any launch)."""
         grads = []
         for p in self._params:
             g = p.grad
-            if g is None or g.layout != torch.strided or g.stride() != p.stride():
+            if g is None or g.layout != torch.strided or g.shape != p.shape or not _grad_fits(g, p):
                 self._grads = None
                 return False
             grads.append(g)

@@ -467,14 +467,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         plan = self._plans.get(index)
         if plan is None or not plan.matches(group["params"], self._state_keys_for(group)):
             return None
-        if plan.fetch_native():
-            # Each bucket's C++ plan holds its grads until its step. It checks the grads itself;
-            # a param swapped for one of another memory format (p.data =, module.to()) is
-            # caught here, for the params where one can be (4-d and 5-d).
-            if _strides(plan.shaped) == plan.shaped_strides:
-                return plan, None
-            self._release([(plan, None)])
+        # A param swapped for one of another memory format (p.data =, module.to()), for the
+        # params where one can be (4-d and 5-d): its state must be rebuilt in that format.
+        if _strides(plan.shaped) != plan.shaped_strides:
             return None
+        if plan.fetch_native():
+            return plan, None  # each bucket's C++ plan holds its (tested) grads until its step
         grads = [p.grad for p in plan.live]
         # A missing grad fails the layout test too (None has no strides).
         if plan.strides is None:
@@ -593,9 +591,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         for b in plan.buckets:
             b.native = self._native_plan(group, b)
         plan.native = bool(plan.buckets) and all(b.native is not None for b in plan.buckets)
-        # What a step on the C++ plans compares (they check the grads themselves): the strides
-        # of the params whose memory format can change (4-d and 5-d).
-        plan.shaped = [p for p in plan.live if p.dim() >= 4] if plan.native else []
+        # What every step compares: the strides of the params whose memory format can change
+        # (4-d and 5-d), whose state would have to be rebuilt in the new one.
+        plan.shaped = [p for p in plan.live if p.dim() >= 4]
         plan.shaped_strides = _strides(plan.shaped)
         return plan, grads
 

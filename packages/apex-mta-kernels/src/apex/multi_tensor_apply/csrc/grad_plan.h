@@ -1,14 +1,15 @@
 // The cached plan of one optimizer bucket, shared by AdamPlan and SgdPlan.
 //
 // A bucket's lists, held on the C++ side so that a step costs no Python per tensor and no list
-// conversion: each step fetches every param's grad in C++, checks it against what the last full
-// validation saw (dtypes, device, the param's sizes and strides, the grad's the same as its
-// param's: a few loads per tensor), and launches on the dtype groups found then. Anything
-// unusual (a param without a grad, a sparse grad) or changed since (a grad laid out otherwise
-// than its param, a param resized or given another dtype through .data) makes fetch return
-// false, holding nothing, and the caller takes the general path, which checks every bucket's
-// grads before any launches and says what is wrong. Only a plan's first step runs the ops' full
-// checks at its launch (the caller checked the grads before building it).
+// conversion: each step fetches every param's grad in C++, tests it (a few loads per tensor) and
+// launches on the dtype groups found at the last full validation. Every step, each grad must be
+// strided, of its param's sizes, dense, and share a memory format with its param (as the ops'
+// checks ask); once validated, the params must also be as validated (dtype, sizes, strides) and
+// the grads of the dtypes and device seen then. Anything else (a param without a grad, a sparse
+// or strided grad, a param changed through .data) makes fetch return false, holding nothing: the
+// caller takes the general path, which checks every bucket's grads before any launches and says
+// what is wrong. The full checks of the ops run at the launch of a plan's first step (and of the
+// first after a change), on grads that passed the test above.
 #pragma once
 
 #include "checks.h"
@@ -26,9 +27,8 @@ class GradPlan : public torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
 
-  // Every param's grad into grads_; false (nothing held) when one is missing or not strided, or
-  // when anything differs from what the last full validation saw. A plan not yet validated takes
-  // any strided grads (its first step validates them).
+  // Every param's grad into grads_; false (nothing held) when one fails the tests above. A
+  // change since the validation also marks the plan for a full one at its next launch.
   bool fetch() {
     const size_t n = params_.size();
     grads_.resize(n);
@@ -36,15 +36,18 @@ class GradPlan : public torch::CustomClassHolder {
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
       const at::Tensor& g = p.grad();
-      if (!g.defined() || g.layout() != at::kStrided ||
-          (validated && !(g.scalar_type() == gdt_[i] && p.scalar_type() == pdt_[i] &&
-                          g.device() == device_ && p.sizes().equals(sizes_[i]) &&
-                          p.strides().equals(strides_[i]) && g.sizes().equals(p.sizes()) &&
-                          g.strides().equals(p.strides())))) {
+      bool ok = g.defined() && g.layout() == at::kStrided && g.sizes().equals(p.sizes());
+      if (ok) {
+        const int lay = layouts(g);
+        ok = lay != 0 && (g.numel() <= 1 || (lay & layouts(p)) != 0);
+      }
+      if (ok && validated) {
+        ok = g.scalar_type() == gdt_[i] && p.scalar_type() == pdt_[i] && g.device() == device_ &&
+             p.sizes().equals(sizes_[i]) && p.strides().equals(strides_[i]);
+        if (!ok) validated_ = 0;
+      }
+      if (!ok) {
         release();
-        // Validated again at its next step: a change that the general path accepts (a param
-        // given another dtype through .data) costs one step off the plan, not every step.
-        if (g.defined() && g.layout() == at::kStrided) validated_ = 0;
         return false;
       }
       grads_[i] = g;
