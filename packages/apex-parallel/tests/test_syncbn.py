@@ -418,6 +418,7 @@ def test_function_apex_channel_last_z_and_fused_relu():
     torch.testing.assert_close(ys.movedim(-1, 1), yr, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(xs.grad.movedim(-1, 1), xr.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(zs.grad.movedim(-1, 1), g * (yr > 0), atol=0, rtol=0)
+    torch.testing.assert_close(rm, ref.running_mean)
     torch.testing.assert_close(rv, ref.running_var)
     plain = fn.apply(x, None, None, None, None, None, 1e-5)  # apex's defaults: (N, C, *)
     want = torch.nn.functional.batch_norm(x, None, None, training=True, eps=1e-5)
@@ -460,8 +461,9 @@ def test_function_without_batch_statistics_needs_running_estimates():
 
 def test_python_function_takes_apex_argument_list():
     """apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction.apply(input, weight, bias,
-    mean, var, eps), as apex's Python SyncBatchNorm called it: normalised by the given batch
-    statistics, differentiated as torch's training batch_norm (one process: no exchange)."""
+    mean, var, eps, process_group, world_size), as apex's Python SyncBatchNorm called it:
+    normalised by the given batch statistics, differentiated as torch's training batch_norm
+    (one process: no exchange)."""
     from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
 
     x = torch.randn(4, 3, 5) * 2 + 1
@@ -472,10 +474,29 @@ def test_python_function_takes_apex_argument_list():
     yr.backward(g)
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
-    ys = SyncBatchnormFunction.apply(xs, ws, bs, mean, var, 1e-5)
+    ys = SyncBatchnormFunction.apply(xs, ws, bs, mean, var, 1e-5, None, 1)
     ys.backward(g)
     torch.testing.assert_close(ys, yr, atol=1e-5, rtol=1e-4)
     for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="running_mean must be a tensor of the 3 channels"):
         SyncBatchnormFunction.apply(xs, ws, bs, mean[:2], var, 1e-5)
+
+
+def test_function_direct_call_checks_its_arguments():
+    """A direct call names what is wrong (z of another shape, a per-channel vector of another
+    size, running_mean without running_var) before any op runs; a non-contiguous (..., C)
+    input is taken."""
+    fn = _apex_function()
+    x, w = torch.randn(2, 3, 4, 5), torch.ones(5)
+    with pytest.raises(ValueError, match=r"z must have the input's shape \(2, 3, 4, 5\)"):
+        fn.apply(x, torch.randn(2, 5, 3, 4), w, None, None, None, 1e-5, True, 0.1, None, True)
+    with pytest.raises(ValueError, match=r"weight must have shape \(5,\) for the input's 5"):
+        fn.apply(x, None, torch.ones(4), None, None, None, 1e-5, True, 0.1, None, True)
+    rm = torch.zeros(5)
+    with pytest.raises(ValueError, match="give both running_mean and running_var, or neither"):
+        fn.apply(x, None, w, None, rm, None, 1e-5, True, 0.1, None, True)
+    xt = torch.randn(2, 5, 3, 4).permute(0, 2, 3, 1)  # (..., C), not contiguous
+    y = fn.apply(xt, None, w, None, None, None, 1e-5, True, 0.1, None, True)
+    want = torch.nn.functional.batch_norm(xt.permute(0, 3, 1, 2), None, None, w, training=True)
+    torch.testing.assert_close(y.permute(0, 3, 1, 2), want, atol=1e-5, rtol=1e-4)

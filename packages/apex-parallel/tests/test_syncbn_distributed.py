@@ -140,40 +140,42 @@ def _run_case(rank, world, sizes, spatial, opts, group=None, group_ranks=None):
         raise AssertionError("\n".join(failures))
 
 
-def _run_python_function(rank, world, sizes):
-    """apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction given the world's batch mean
-    and biased variance: output and input gradient of torch's training BatchNorm on the whole
-    batch (its backward all-reduces the batch-mean terms), weight and bias gradients summing
-    to torch's over the ranks."""
+def _run_python_function(rank, world, sizes, group=None, members=None):
+    """apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction given the group's batch mean
+    and biased variance, called as apex's Python module called it: output and input gradient
+    of torch's training BatchNorm on the group's whole batch (its backward all-reduces the
+    batch-mean terms over the group), weight and bias gradients summing to torch's over the
+    group's ranks."""
     import torch.distributed as dist
 
     from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
 
-    sizes = sizes[:world]
+    members = members if members is not None else list(range(world))
     gen = torch.Generator().manual_seed(11)
-    xs = [torch.randn((n, C, 3, 2), generator=gen) * 2 + 1 for n in sizes]
-    gs = [torch.randn((n, C, 3, 2), generator=gen) for n in sizes]
+    xs = [torch.randn((n, C, 3, 2), generator=gen) * 2 + 1 for n in sizes[:world]]
+    gs = [torch.randn((n, C, 3, 2), generator=gen) for n in sizes[:world]]
     w, b = torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen)
-    x_all = torch.cat(xs).requires_grad_()
+    x_all = torch.cat([xs[r] for r in members]).requires_grad_()
     wr, br = w.clone().requires_grad_(), b.clone().requires_grad_()
     y_ref = torch.nn.functional.batch_norm(x_all, None, None, wr, br, True, 0.1, 1e-5)
-    y_ref.backward(torch.cat(gs))
-    sl = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    y_ref.backward(torch.cat([gs[r] for r in members]))
+    start = sum(sizes[r] for r in members[: members.index(rank)])
+    sl = slice(start, start + sizes[rank])
     x = xs[rank].clone().requires_grad_()
     ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
     red = (0, 2, 3)
     moments = torch.cat([x.detach().sum(red), x.detach().square().sum(red)])
     moments = torch.cat([moments, torch.tensor([float(x.numel() // C)])])
-    dist.all_reduce(moments)
+    dist.all_reduce(moments, group=group)
     n = moments[-1]
     mean = moments[:C] / n
     var = moments[C : 2 * C] / n - mean.square()
-    y = SyncBatchnormFunction.apply(x, ws, bs, mean, var, 1e-5)
+    y = SyncBatchnormFunction.apply(x, ws, bs, mean, var, 1e-5, group, len(members))
     y.backward(gs[rank])
     torch.testing.assert_close(y, y_ref[sl].detach(), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(x.grad, x_all.grad[sl], atol=1e-4, rtol=1e-3)
     wg = torch.stack([ws.grad, bs.grad])
-    dist.all_reduce(wg)
+    dist.all_reduce(wg, group=group)
     torch.testing.assert_close(wg[0], wr.grad, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(wg[1], br.grad, atol=1e-3, rtol=1e-3)
 
@@ -211,6 +213,10 @@ def _worker(rank, world):
     # apex's Python Function called directly with the world's statistics (uneven batches).
     try:
         _run_python_function(rank, world, [3, 1, 2])
+        if world == 3:  # ranks {0, 1} together, 2 alone
+            g01, g2 = dist.new_group([0, 1]), dist.new_group([2])
+            group, members = (g01, [0, 1]) if rank < 2 else (g2, [2])
+            _run_python_function(rank, world, [2, 4, 3], group, members)
         results["python_function"] = None
     except Exception as e:
         results["python_function"] = f"rank {rank}: {type(e).__name__}: {e}"

@@ -77,9 +77,41 @@ def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.T
 def _world_size(process_group) -> int:
     """The group's size for a caller that gave none (apex's argument list): 1 without
     torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(process_group)
-    return 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    size = dist.get_world_size(process_group)
+    if size < 1:
+        raise ValueError(
+            "SyncBatchnormFunction: process_group does not include this rank "
+            f"(rank {dist.get_rank()}); every rank that runs it must be a member"
+        )
+    return size
+
+
+def _check_call(input, z, channel_last, vectors) -> None:
+    """The arguments of a direct call (apex's list; the module checks its own): the input's
+    rank, z of the input's shape, and the per-channel vectors of C values, running_mean and
+    running_var both or neither."""
+    if input.dim() < 2:
+        raise ValueError(
+            f"SyncBatchnormFunction: expected an input of 2 or more dims, got shape {tuple(input.shape)}"
+        )
+    if z is not None and z.shape != input.shape:
+        raise ValueError(
+            f"SyncBatchnormFunction: z must have the input's shape {tuple(input.shape)}, got "
+            f"{tuple(z.shape)}"
+        )
+    c = input.shape[-1] if channel_last else input.shape[1]
+    for name, t in vectors.items():
+        if t is not None and t.shape != (c,):
+            raise ValueError(
+                f"SyncBatchnormFunction: {name} must have shape ({c},) for the input's {c} "
+                f"channels, got {tuple(t.shape)}"
+            )
+    if (vectors["running_mean"] is None) != (vectors["running_var"] is None):
+        raise ValueError(
+            "SyncBatchnormFunction: give both running_mean and running_var, or neither"
+        )
 
 
 def _running_stats(x, running_mean, running_var) -> torch.Tensor:
@@ -123,10 +155,15 @@ class SyncBatchnormFunction(torch.autograd.Function):
         the device). ``channel_last``: ``input`` (and ``z``) are ``(..., C)``, else
         ``(N, C, *)`` in any memory format. ``world_size``: the group's size, looked up when
         None."""
+        if world_size is None:  # a direct call: apex's argument list
+            _check_call(input, z, channel_last, {
+                "weight": weight, "bias": bias, "running_mean": running_mean,
+                "running_var": running_var,
+            })  # fmt: skip
         shape = input.shape
         x = input
         if channel_last and input.dim() != 2:
-            x = input.view(-1, shape[-1])
+            x = input.reshape(-1, shape[-1])
             if z is not None:
                 z = z.reshape(x.shape)
         c = x.shape[1]
@@ -181,6 +218,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
         grad_input = grad_weight = grad_bias = None
         if ctx.fixed:
             # Normalised by constants: the input gradient has no batch-mean terms (zero sums).
+            if not (need_input or need_weight or need_bias):
+                return (None,) * 14
             with _direct():
                 sums, grad_weight, grad_bias = _backward_reduce(dy, x, saved, weight, out)
                 if need_input:

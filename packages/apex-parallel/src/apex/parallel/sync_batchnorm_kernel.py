@@ -1,12 +1,13 @@
 """apex's autograd Function of its pure-Python SyncBatchNorm, with that Function's argument list:
-``SyncBatchnormFunction.apply(input, weight, bias, mean, var, eps)``.
+``SyncBatchnormFunction.apply(input, weight, bias, mean, var, eps, process_group=None,
+world_size=None)``.
 
 The caller gives the statistics (in apex, the module's batch mean and biased variance, already
 averaged over the ranks); the input ``(N, C, *)`` is normalised by them. The backward treats them
-as the batch's: the input gradient keeps the batch-mean terms, their sums all-reduced over the
-default group when torch.distributed is initialised (as apex's, which averaged the ranks' means
-and so assumed equal batch sizes; here the sums and the element counts are reduced, exact for
-any sizes). Weight and bias gradients are this rank's, as any parameter's before DDP reduces
+as the batch's: the input gradient keeps the batch-mean terms, their sums all-reduced over
+``process_group`` (the default group for None) when torch.distributed is initialised (as apex's,
+which averaged the ranks' means and so assumed equal batch sizes; here the sums and the element
+counts are reduced, exact for any sizes, so ``world_size`` is not needed and only accepted). Weight and bias gradients are this rank's, as any parameter's before DDP reduces
 them. The module itself, apex.parallel.SyncBatchNorm, runs optimized_sync_batchnorm_kernel's
 Function; this one is for code that calls apex's directly. Same kernels (the apex_parallel ops).
 """
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .optimized_sync_batchnorm_kernel import (
+    _DYNAMO_READS_NEEDS_INPUT_GRAD,
     _backward,
     _backward_reduce,
     _direct,
@@ -48,10 +50,18 @@ def _check(input, weight, bias, mean, var) -> None:
 
 class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, running_mean, running_variance, eps):
+    def forward(
+        ctx, input, weight, bias, running_mean, running_variance, eps, process_group=None,
+        world_size=None,
+    ):  # fmt: skip
         """``running_mean`` / ``running_variance`` (apex's names): the statistics ``input`` is
         normalised by, treated by the backward as the batch's (see the module docstring)."""
         _check(input, weight, bias, running_mean, running_variance)
+        ctx.process_group = process_group
+        if not _DYNAMO_READS_NEEDS_INPUT_GRAD:
+            ctx.grads_needed = tuple(
+                t is not None and t.requires_grad for t in (input, weight, bias)
+            )
         c = input.shape[1]
         count = input.new_full((1,), input.numel() // max(c, 1), dtype=torch.float32)
         stats = torch.cat([running_mean.float(), running_variance.float(), count])
@@ -67,7 +77,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight, saved = ctx.saved_tensors
         c = x.shape[1]
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        needs = ctx.needs_input_grad if _DYNAMO_READS_NEEDS_INPUT_GRAD else ctx.grads_needed
+        need_input, need_weight, need_bias = needs[:3]
         with _direct():
             sums, grad_weight, grad_bias = _backward_reduce(grad_output, x, saved, weight, None)
         grad_input = None
@@ -75,7 +86,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
             if dist.is_available() and dist.is_initialized():
                 # The sums and the element counts of every rank, in one all_reduce.
                 both = torch.cat([sums, saved[2 * c :].float()])
-                dist.all_reduce(both, op=dist.ReduceOp.SUM)
+                dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.process_group)
                 sums = both[: 2 * c]
                 saved = torch.cat([saved[: 2 * c], both[2 * c :].to(saved.dtype)])
             with _direct():
@@ -86,5 +97,5 @@ class SyncBatchnormFunction(torch.autograd.Function):
             grad_bias = None
         elif grad_bias.dtype != ctx.bias_dtype:  # a bias without a weight
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        grads = (grad_input, grad_weight, grad_bias, None, None, None)
+        grads = (grad_input, grad_weight, grad_bias, None, None, None, None, None)
         return _not_twice(grads) if torch.is_grad_enabled() else grads

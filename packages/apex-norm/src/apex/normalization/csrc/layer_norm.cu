@@ -32,6 +32,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -192,13 +194,18 @@ __device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) 
 // (st.global.cs, evict-first in L2). Without a hint, plain loads and stores.
 constexpr int kHintX = 1, kHintParams = 2, kHintY = 4;
 
-// A 16-byte vector of 16-bit elements: loaded, with the hint in `bit` (kHintX or kHintParams) if
-// HINT has it, else plainly; stored (kHintY) likewise. The asm is volatile so that each load
-// keeps its place against the compiler barriers around it (see fwd_rows).
+// A 16-byte vector of 16-bit elements loaded, with the hint in `bit` (kHintX or kHintParams) if
+// HINT has it (and the GPU has the hints: sm_70 on), else plainly. The asm is volatile so that
+// each load keeps its place against the compiler barriers around it (see fwd_rows).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+constexpr bool kHasHints = false;
+#else
+constexpr bool kHasHints = true;
+#endif
 template <int HINT, int bit, typename T>
 __device__ __forceinline__ void load_pack_hinted(const T* p, Pack<T>& o) {
   static_assert(sizeof(Pack<T>) == 16, "hints are for 16-byte vectors");
-  if constexpr ((HINT & bit) != 0) {
+  if constexpr (kHasHints && (HINT & bit) != 0) {
     uint32_t* w = reinterpret_cast<uint32_t*>(o.v);
     if constexpr (bit == kHintX) {
       asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -214,15 +221,30 @@ __device__ __forceinline__ void load_pack_hinted(const T* p, Pack<T>& o) {
   }
 }
 
-template <int HINT, typename T>
-__device__ __forceinline__ void store_pack_hinted(T* p, const Pack<T>& pk) {
-  static_assert(sizeof(Pack<T>) == 16, "hints are for 16-byte vectors");
-  if constexpr ((HINT & kHintY) != 0) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(pk.v);
+// A float rounded to T (16-bit, to nearest even as static_cast<T>), as its bits, by value.
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(float v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  } else {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+// Eight floats stored as a 16-byte vector of T (16-bit) with kHintY's streaming store. The words
+// are built from the values' bits by value (a packed array or a c10 value whose address is
+// taken put the vector in local memory in one kernel).
+template <typename T>
+__device__ __forceinline__ void store_vec_streaming(T* p, const float (&o)[kVec]) {
+  static_assert(sizeof(T) == 2, "hints are for 16-byte vectors of a 16-bit dtype");
+  uint32_t w[kVec / 2];
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) w[i] = bits16<T>(o[2 * i]) | (bits16<T>(o[2 * i + 1]) << 16);
+  if constexpr (kHasHints) {
     asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w[0]), "r"(w[1]),
                  "r"(w[2]), "r"(w[3]));
   } else {
-    *reinterpret_cast<Pack<T>*>(p) = pk;
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -375,10 +397,7 @@ __device__ __forceinline__ void fwd_param_vec(const void* p, int dt, int64_t i, 
 template <typename Tx, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
   if constexpr ((HINT & kHintY) != 0) {
-    Pack<Tx> pk;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) pk.v[e] = static_cast<Tx>(o[e]);
-    store_pack_hinted<HINT>(static_cast<Tx*>(p) + i, pk);
+    store_vec_streaming<Tx>(static_cast<Tx*>(p) + i, o);
   } else {
     store_out_vec<Tx, LEAN>(p, dt, i, o);
   }
