@@ -4,6 +4,7 @@ and, under the ``cuda`` marker, the CUDA kernels against the reference and torch
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -428,12 +429,27 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
         textwrap.dedent(
             f"""
             import sys, torch
+            import torch.nn.functional as F
             sys.path[:0] = [{str(HERE)!r}]
             from test_layer_norm import backward_against_torch
             torch.manual_seed(0)
             for norm, H, dtype in {cases!r}:
                 backward_against_torch(norm, H, 1031, getattr(torch, dtype), "cuda")
                 print("ok", norm, H, dtype)
+            # The 16-bit forward without weight and bias (the hinted kernels' a.w == nullptr
+            # path), and the kernel names its launches took.
+            from apex.normalization.fused_layer_norm import fused_layer_norm, fused_rms_norm
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for H in (1024, 4096, 16384):
+                    x = torch.randn(257, H, device="cuda", dtype=torch.bfloat16)
+                    for y, want in (
+                        (fused_layer_norm(x, (H,), 1e-5), F.layer_norm(x.float(), (H,), eps=1e-5)),
+                        (fused_rms_norm(x, (H,), 1e-5), F.rms_norm(x.float(), (H,), eps=1e-5)),
+                    ):
+                        torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+                torch.cuda.synchronize()
+            for name in sorted({{e.name for e in prof.events() if "fwd_" in e.name}}):
+                print("kernel", name)
             """
         )
     )
@@ -443,6 +459,10 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == len(KNOB_CASES)
+    kernels = [line for line in done.stdout.splitlines() if line.startswith("kernel ")]
+    # fwd_hint's kernels carry the hint set as their last template argument.
+    hint = next((int(k.split("=")[1]) for k in tune.split(",") if k.startswith("fwd_hint=")), 0)
+    assert any(re.search(rf"fwd_fast(_r80)?<[^()]*, {hint}>", k) for k in kernels), kernels
 
 
 @pytest.mark.cuda
