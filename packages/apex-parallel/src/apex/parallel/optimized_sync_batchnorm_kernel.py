@@ -126,6 +126,18 @@ def _running_stats(x, running_mean, running_var) -> torch.Tensor:
     return torch.cat([running_mean.float(), running_var.float(), count])
 
 
+def _param_grads(ctx, weight, grad_weight, grad_bias, need_weight: bool, need_bias: bool):
+    """The weight and bias gradients the backward returns: None where there is no such input or
+    none is needed; the bias's in its own dtype (without a weight the ops give float32)."""
+    if weight is None or not need_weight:
+        grad_weight = None
+    if ctx.bias_dtype is None or not need_bias:
+        grad_bias = None
+    elif grad_bias.dtype != ctx.bias_dtype:
+        grad_bias = grad_bias.to(ctx.bias_dtype)
+    return grad_weight, grad_bias
+
+
 class SyncBatchnormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -241,12 +253,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
             grad_z = dy if out is None else dy.masked_fill(out <= 0, 0)
             if ctx.shape is not None:
                 grad_z = grad_z.view(ctx.shape)
-        if weight is None or not need_weight:
-            grad_weight = None
-        if ctx.bias_dtype is None or not need_bias:
-            grad_bias = None
-        elif grad_bias.dtype != ctx.bias_dtype:  # a bias without a weight
-            grad_bias = grad_bias.to(ctx.bias_dtype)
+        grad_weight, grad_bias = _param_grads(
+            ctx, weight, grad_weight, grad_bias, need_weight, need_bias
+        )
         return (
             grad_input, grad_z, grad_weight, grad_bias,
             None, None, None, None, None, None, None, None, None, None,

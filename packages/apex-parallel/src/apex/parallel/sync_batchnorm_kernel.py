@@ -24,6 +24,7 @@ from .optimized_sync_batchnorm_kernel import (
     _direct,
     _forward,
     _not_twice,
+    _param_grads,
 )
 
 __all__ = ["SyncBatchnormFunction"]
@@ -91,11 +92,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 saved = torch.cat([saved[: 2 * c], both[2 * c :].to(saved.dtype)])
             with _direct():
                 grad_input = _backward(grad_output, x, saved, weight, sums, None)
-        if weight is None or not need_weight:
-            grad_weight = None
-        if ctx.bias_dtype is None or not need_bias:
-            grad_bias = None
-        elif grad_bias.dtype != ctx.bias_dtype:  # a bias without a weight
-            grad_bias = grad_bias.to(ctx.bias_dtype)
+        grad_weight, grad_bias = _param_grads(
+            ctx, weight, grad_weight, grad_bias, need_weight, need_bias
+        )
         grads = (grad_input, grad_weight, grad_bias, None, None, None, None, None)
         return _not_twice(grads) if torch.is_grad_enabled() else grads
