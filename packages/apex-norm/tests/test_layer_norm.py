@@ -401,7 +401,9 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
 @pytest.mark.parametrize(
     "tune",
     [
-        "smem_kb=99",  # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits
+        # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits; LayerNorm's forward
+        # without its cache hints
+        "smem_kb=99,fwd_hint=0",
         "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
         # the knobs' other kernels and the merged forward moments; the forward's input loads
         # skipping L1
@@ -414,7 +416,7 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
         # ring (H=8192, 16384) with its bias sums one float each; every forward cache hint (the
         # 80-register forward's too)
-        "bwd_ring=4,bwd_bias4=0,fwd_hint=7",
+        "bwd_ring=4,bwd_bias4=0,fwd_hint=7,rms_fwd_hint=7",
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):

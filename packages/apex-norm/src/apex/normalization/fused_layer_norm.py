@@ -80,7 +80,13 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     # by attribute, not by catching the TypeError of 2.3's argument-less is_autocast_enabled():
     # under torch.compile, dynamo 2.3 raises that error as an InternalTorchDynamoError instead.
     if hasattr(torch, "get_autocast_dtype"):
-        if _autocast_available is not None and not _autocast_available(device_type):
+        # Not while dynamo traces (torch 2.11's cannot trace the query; a compiled graph's
+        # tensors are on a device autocast knows).
+        if (
+            _autocast_available is not None
+            and not torch.compiler.is_compiling()
+            and not _autocast_available(device_type)
+        ):
             return None
         if not torch.is_autocast_enabled(device_type):
             return None

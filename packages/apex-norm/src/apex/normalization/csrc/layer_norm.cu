@@ -1394,13 +1394,18 @@ struct Tune {
   // kept its bias sums in registers (127 of them) and was slower.
   int bwd_lean4 = 0;
   // The 16-bit forward's cache hints where weight, bias and output share the input's dtype (see
-  // kHintX): 0 none; 1 the input's loads skip L1; 3 also weight and bias at L1::evict_last
-  // through the read-only path; 7 also the output stored as streaming data (other values: none).
-  // Hypothesis (2026-12-05, not yet timed): LayerNorm's forward trails RMSNorm's in the same
-  // kernel shapes (about 90 % of copy against 97-100 % at H >= 4096) because each row's input
-  // lines, read once, evict from L1 the weight and bias every row reads again (LayerNorm reads
-  // twice RMSNorm's parameter bytes per row).
-  int fwd_hint = 0;
+  // kHintX), LayerNorm's (fwd_hint) and RMSNorm's (rms_fwd_hint): 0 none; 1 the input's loads
+  // skip L1; 3 also weight and bias at L1::evict_last through the read-only path; 7 also the
+  // output stored as streaming data (other values: none). Measured on an H200 (2026-12-05
+  // 03:4x, scripts/gpu_norm.sh HINT_SWEEP=1, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 /
+  // 8192 / 16384, two runs each): LayerNorm 0: 78.5, 79.9 / 87.5, 87.3 / 88.2, 87.9 / 88.0, 88.3
+  // / 86.5, 87.9; 1: 79.4, 79.5 / 86.3, 86.5 / 87.3, 86.8 / 85.4, 85.4 / 90.0, 84.8; 3: 79.1,
+  // 79.5 / 87.0, 86.1 / 86.8, 87.1 / 85.4, 85.4 / 89.8, 90.5; 7: 83.3, 84.9 / 88.7, 90.8 / 87.8,
+  // 89.0 / 92.9, 94.2 / 87.1, 94.2. RMSNorm 0: 89.4, 89.4 / 92.5, 91.5 / 95.9, 96.4 / 96.4,
+  // 96.8 / 98.8, 98.7; 7: 87.5, 88.7 / 91.7, 93.6 / 94.9, 97.1 / 94.5, 95.8 / 94.8, 96.2 (1 and
+  // 3 lower still). So the streaming store is what helps LayerNorm, and RMSNorm keeps none.
+  int fwd_hint = 7;
+  int rms_fwd_hint = 0;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1420,6 +1425,7 @@ constexpr Knob kKnobs[] = {
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
     {"bwd_lean4", &Tune::bwd_lean4, 0, kAny},     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
+    {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1601,8 +1607,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             }
             return fwd_fast<Tx, NV, RMS, true, HINT>;
           };
-          // Tune's fwd_hint: the hint sets compiled (see kHintX), else none.
-          switch (tune().fwd_hint) {
+          // Tune's fwd_hint / rms_fwd_hint: the hint sets compiled (see kHintX), else none.
+          switch (RMS ? tune().rms_fwd_hint : tune().fwd_hint) {
             case kHintX: kernel = lean(std::integral_constant<int, kHintX>{}); break;
             case kHintX | kHintParams:
               kernel = lean(std::integral_constant<int, kHintX | kHintParams>{});
