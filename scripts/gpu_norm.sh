@@ -6,7 +6,7 @@
 #   BWD_SWEEP=1  the backward's register caps and row widths
 #   BWD_LEAN=1   the ring backward's LEAN variant against the general one
 #   HINT_SWEEP=1 the 16-bit forward's cache hints (fwd_hint), every H
-#   RING4_SWEEP=1 LayerNorm's 4-vector ring: bwd_bias4 and bwd_lean4 at H = 8192 / 12288 / 16384
+#   RING4_SWEEP=1 LayerNorm's 4-vector ring: bwd_bias4 at H = 8192 / 12288 / 16384
 #   SWEEP_SETTINGS="a=1 a=2 ..."  any APEX_NORM_TUNE settings, one process each (SWEEP_PASSES,
 #                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them; exported for the
 #                whole call, they also narrow the stages that do not set their own, BASE's A/B
@@ -94,10 +94,10 @@ if [ "${HINT_SWEEP:-0}" = 1 ]; then
     "fwd_hint=0" "fwd_hint=1" "fwd_hint=3" "fwd_hint=7" "fwd_hint=0" "fwd_hint=1" "fwd_hint=3" "fwd_hint=7"
 fi
 if [ "${RING4_SWEEP:-0}" = 1 ]; then
-  # LayerNorm's 16-bit 4-vector ring (H > 4096): bias sums as float4s or floats (bwd_bias4), and
-  # its LEAN variant (bwd_lean4), twice each, alternating.
+  # LayerNorm's 16-bit 4-vector ring (H > 4096): bias sums as float4s or floats (bwd_bias4),
+  # twice each, alternating. (Its LEAN variant, knob bwd_lean4, ran here at 12-05 03:4x: slower.)
   SWEEP_PASSES=fwd+bwd SWEEP_H=8192,12288,16384 SWEEP_NORMS=layernorm sweep sweep_ring4.txt 200 \
-    "bwd_bias4=1" "bwd_bias4=0" "bwd_lean4=3" "bwd_bias4=1" "bwd_bias4=0" "bwd_lean4=3"
+    "bwd_bias4=1" "bwd_bias4=0" "bwd_bias4=1" "bwd_bias4=0"
 fi
 if [ -n "${SWEEP_SETTINGS:-}" ]; then
   # shellcheck disable=SC2086  # one word per setting

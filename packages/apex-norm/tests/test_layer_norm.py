@@ -408,9 +408,9 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # the knobs' other kernels and the merged forward moments; the forward's input loads
         # skipping L1
         "bwd_ring=0,ln_one_pass=0,fwd_hint=1",
-        # the 16-bit kernels without their 80-register caps; LayerNorm's 4-vector ring (H=8192,
-        # 16384) through its LEAN variant; the forward's weight and bias at L1::evict_last
-        "fwd_r80=0,bwd_r80=0,bwd_lean4=3,fwd_hint=3",
+        # the 16-bit kernels without their 80-register caps; the forward's weight and bias at
+        # L1::evict_last
+        "fwd_r80=0,bwd_r80=0,fwd_hint=3",
         # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
@@ -422,9 +422,9 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     """With a block's shared memory capped (APEX_NORM_TUNE smem_kb, read once per process: a
     fresh one), the ring or the one-pass forward off, the 16-bit kernels without their register
-    caps or their LEAN ring (and LayerNorm's 4-vector ring with it), the forward's vectors a
-    thread at H=4096 back at 8, a deeper ring with scalar bias sums, or the forward's cache
-    hints, each case takes another kernel and is still right."""
+    caps or their LEAN ring, the forward's vectors a thread at H=4096 back at 8, a deeper ring
+    with scalar bias sums, or the forward's cache hints on or off, each case takes another
+    kernel and is still right."""
     script = tmp_path / "capped.py"
     cases = [(norm, H, str(dtype).removeprefix("torch.")) for norm, H, dtype in KNOB_CASES]
     script.write_text(

@@ -1385,14 +1385,9 @@ struct Tune {
   // memory): 1 the bias sums as float4s (one 16-byte read-modify-write per four), 0 one float
   // each, as before 4672dc4. Measured on an H200 (12-04 21:4x, in a build with a run-time knob
   // for the group sums, not this one; bf16 fwd+bwd): -3.8 % at H=8192, +2.3 % at H=16384. To be
-  // timed per row width in one build: `SWEEP_SETTINGS="bwd_bias4=1 bwd_bias4=0 ..."`.
+  // timed per row width in one build (2026-12-05 03:4x, % of copy at H = 8192 / 12288 / 16384,
+  // two runs, 1 / 0): 78.5, 78.2 / 74.6, 74.8; 68.3, 68.3 / 66.5, 66.5; 69.1, 69.0 / 69.8, 69.6.
   int bwd_bias4 = 1;
-  // LayerNorm's 16-bit 4-vector ring (H > 4096) through its LEAN variant (weight, bias and
-  // grad_input in the input's dtype: no run-time dtype branch per vector), the bias sums still
-  // in shared memory: bit 1 rows of 512 threads (H = 16384), bit 2 narrower rows (H = 8192 at
-  // 256 threads); 0 the general ring. Not yet timed: the LEAN 4-vector ring measured at 18:1x
-  // kept its bias sums in registers (127 of them) and was slower.
-  int bwd_lean4 = 0;
   // The 16-bit forward's cache hints where weight, bias and output share the input's dtype (see
   // kHintX), LayerNorm's (fwd_hint) and RMSNorm's (rms_fwd_hint): 0 none; 1 the input's loads
   // skip L1; 3 also weight and bias at L1::evict_last through the read-only path; 7 also the
@@ -1424,7 +1419,7 @@ constexpr Knob kKnobs[] = {
     {"bwd_r80", &Tune::bwd_r80, 0, kAny},         {"rms_short_pt16", &Tune::rms_short_pt16, 0, kAny},
     {"bwd_wide_pt16", &Tune::bwd_wide_pt16, 0, kAny}, {"bwd_lean", &Tune::bwd_lean, 0, kAny},
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
-    {"bwd_lean4", &Tune::bwd_lean4, 0, kAny},     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
+    {"fwd_hint", &Tune::fwd_hint, 0, kAny},
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
 };
 
@@ -1802,11 +1797,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             if constexpr (NV <= 2 || RMS) {
               if (lean && (NV <= 2 || c.tx > 256)) return plain(std::true_type{});
             }
-            // LayerNorm's 4-vector rows through LEAN with the bias sums in shared memory
-            // (Tune's bwd_lean4: bit 1 rows of 512 threads, bit 2 narrower ones).
-            if constexpr (!RMS && NV == 4) {
-              if (lean && (tune().bwd_lean4 & (c.tx > 256 ? 1 : 2))) return plain(std::true_type{});
-            }
+            // LayerNorm's 4-vector rows through LEAN with the bias sums in shared memory measured
+            // slower still (H200 2026-12-05 03:4x, bf16 fwd+bwd % of copy at H = 8192 / 12288 /
+            // 16384, two runs: 67.3, 67.6 / 59.6, 60.3 / 55.8, 56.4 against 78.5, 78.2 / 68.3,
+            // 68.3 / 69.1, 69.0 through the general ring), though it holds 2096 SASS
+            // instructions to the general one's 8928: not built.
             return plain(std::false_type{});
           }
         }
