@@ -7,9 +7,10 @@ averaged over the ranks); the input ``(N, C, *)`` is normalised by them. The bac
 as the batch's: the input gradient keeps the batch-mean terms, their sums all-reduced over
 ``process_group`` (the default group for None) when torch.distributed is initialised (as apex's,
 which averaged the ranks' means and so assumed equal batch sizes; here the sums and the element
-counts are reduced, exact for any sizes, so ``world_size`` is not needed and only accepted). Weight and bias gradients are this rank's, as any parameter's before DDP reduces
-them. The module itself, apex.parallel.SyncBatchNorm, runs optimized_sync_batchnorm_kernel's
-Function; this one is for code that calls apex's directly. Same kernels (the apex_parallel ops).
+counts are reduced, exact for any sizes, so ``world_size`` is not needed and only accepted).
+Weight and bias gradients are this rank's, as any parameter's before DDP reduces them. The
+module itself, apex.parallel.SyncBatchNorm, runs optimized_sync_batchnorm_kernel's Function;
+this one is for code that calls apex's directly. Same kernels (the apex_parallel ops).
 """
 
 from __future__ import annotations

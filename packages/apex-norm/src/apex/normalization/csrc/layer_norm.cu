@@ -187,11 +187,13 @@ __device__ __forceinline__ void load_pack(const void* p, int64_t i, Pack<T>& o) 
   o = *reinterpret_cast<const Pack<T>*>(static_cast<const T*>(p) + i);
 }
 
-// The 16-bit forward's cache hints (Tune's fwd_hint; LEAN kernels only). kHintX: the input's
-// loads skip L1 (L1::no_allocate): each row is read once, and its lines would push out of L1 the
-// weight and bias that every row of the block reads again. kHintParams: weight and bias through
-// the read-only path, kept in L1 at L1::evict_last. kHintY: the output stored as streaming data
-// (st.global.cs, evict-first in L2). Without a hint, plain loads and stores.
+// The 16-bit forward's cache hints (Tune's fwd_hint for LayerNorm, rms_fwd_hint for RMSNorm;
+// LEAN kernels only). kHintX: the input's loads skip L1 (L1::no_allocate): each row is read
+// once, and its lines could push out of L1 the weight and bias that every row of the block
+// reads again. kHintParams: weight and bias through the read-only path, kept in L1 at
+// L1::evict_last. kHintY: the output stored as streaming data (st.global.cs, evict-first in
+// L2). Without a hint, plain loads and stores. Measured (see Tune): the set of all three is
+// LayerNorm's default; the first two alone gained nothing, so the store is what helps it.
 constexpr int kHintX = 1, kHintParams = 2, kHintY = 4;
 
 // A 16-byte vector of 16-bit elements loaded, with the hint in `bit` (kHintX or kHintParams) if
