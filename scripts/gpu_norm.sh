@@ -88,10 +88,13 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
     "bwd_lean=1" "bwd_lean=0" "bwd_lean=1" "bwd_lean=0"
 fi
 if [ "${HINT_SWEEP:-0}" = 1 ]; then
-  # The 16-bit forward's cache hints (fwd_hint, 2026-12-05): none, the input's loads past L1,
-  # also weight and bias at L1::evict_last, also the output streamed; twice each, alternating.
+  # The 16-bit forward's cache hints (fwd_hint for LayerNorm, rms_fwd_hint for RMSNorm). At
+  # 12-05 03:4x: none, the input's loads past L1 (1), also weight and bias at L1::evict_last (3),
+  # also the output streamed (7), for both norms (then one knob). Now: the defaults (LayerNorm
+  # 7, RMSNorm none) against the streaming store alone (4) for both; twice each, alternating.
   SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_hint.txt 240 \
-    "fwd_hint=0" "fwd_hint=1" "fwd_hint=3" "fwd_hint=7" "fwd_hint=0" "fwd_hint=1" "fwd_hint=3" "fwd_hint=7"
+    "fwd_hint=7,rms_fwd_hint=0" "fwd_hint=4,rms_fwd_hint=4" \
+    "fwd_hint=7,rms_fwd_hint=0" "fwd_hint=4,rms_fwd_hint=4"
 fi
 if [ "${RING4_SWEEP:-0}" = 1 ]; then
   # LayerNorm's 16-bit 4-vector ring (H > 4096): bias sums as float4s or floats (bwd_bias4),

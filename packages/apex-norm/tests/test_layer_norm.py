@@ -409,8 +409,8 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # skipping L1
         "bwd_ring=0,ln_one_pass=0,fwd_hint=1",
         # the 16-bit kernels without their 80-register caps; the forward's weight and bias at
-        # L1::evict_last
-        "fwd_r80=0,bwd_r80=0,fwd_hint=3",
+        # L1::evict_last (LayerNorm), its streaming store alone (RMSNorm)
+        "fwd_r80=0,bwd_r80=0,fwd_hint=3,rms_fwd_hint=4",
         # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
         "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
@@ -462,9 +462,16 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == len(KNOB_CASES)
     kernels = [line for line in done.stdout.splitlines() if line.startswith("kernel ")]
-    # fwd_hint's kernels carry the hint set as their last template argument.
-    hint = next((int(k.split("=")[1]) for k in tune.split(",") if k.startswith("fwd_hint=")), 0)
-    assert any(re.search(rf"fwd_fast(_r80)?<[^()]*, {hint}>", k) for k in kernels), kernels
+    # The forward kernels carry the norm (third template argument: RMS) and the hint set (the
+    # last); each norm's must have run with its knob's set (defaults: LayerNorm 7, RMSNorm 0).
+    knobs = dict(k.split("=") for k in tune.split(","))
+    want = {"false": int(knobs.get("fwd_hint", 7)), "true": int(knobs.get("rms_fwd_hint", 0))}
+    ran = {
+        (m[1], int(m[2]))
+        for k in kernels
+        if (m := re.search(r"fwd_fast(?:_r80)?<[^,]+, \d+, (true|false)[^()]*, (\d+)>", k))
+    }
+    assert set(want.items()) <= ran, (want, kernels)
 
 
 @pytest.mark.cuda

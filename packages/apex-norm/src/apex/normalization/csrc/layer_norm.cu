@@ -1393,7 +1393,8 @@ struct Tune {
   // The 16-bit forward's cache hints where weight, bias and output share the input's dtype (see
   // kHintX), LayerNorm's (fwd_hint) and RMSNorm's (rms_fwd_hint): 0 none; 1 the input's loads
   // skip L1; 3 also weight and bias at L1::evict_last through the read-only path; 7 also the
-  // output stored as streaming data (other values: none). Measured on an H200 (2026-12-05
+  // output stored as streaming data; 4 that store alone (built, not yet timed); other values:
+  // none. Measured on an H200 (2026-12-05
   // 03:4x, scripts/gpu_norm.sh HINT_SWEEP=1, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 /
   // 8192 / 16384, two runs each): LayerNorm 0: 78.5, 79.9 / 87.5, 87.3 / 88.2, 87.9 / 88.0, 88.3
   // / 86.5, 87.9; 1: 79.4, 79.5 / 86.3, 86.5 / 87.3, 86.8 / 85.4, 85.4 / 90.0, 84.8; 3: 79.1,
@@ -1613,6 +1614,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             case kHintX | kHintParams | kHintY:
               kernel = lean(std::integral_constant<int, kHintX | kHintParams | kHintY>{});
               break;
+            case kHintY: kernel = lean(std::integral_constant<int, kHintY>{}); break;
             default: kernel = lean(std::integral_constant<int, 0>{}); break;
           }
         }
