@@ -23,6 +23,10 @@ import torch
 
 from apex.multi_tensor_apply import ops
 
+# The kernels' own rule (bit mask of the memory formats a tensor is dense in), checked here so
+# that a bad grad is refused before any kernel runs.
+from apex.multi_tensor_apply._checks import layouts as _layouts
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 MASTER_KEY = "master_param"
@@ -38,17 +42,6 @@ def opaque_to_dynamo(step):
     torch.compiler.disable at class definition imports torch._dynamo (~0.8 s at import)."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(step) if lazy is not None else torch.compiler.disable(step)
-
-
-def _layouts(t: torch.Tensor) -> int:
-    """Bit mask of the memory formats ``t`` is dense in (1 contiguous, 2 channels_last, 4 3d): the
-    kernels' rule, checked here so that a bad grad is refused before any kernel runs."""
-    m = 1 if t.is_contiguous() else 0
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        m |= 2
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        m |= 4
-    return m
 
 
 def _laid_out_like(t: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

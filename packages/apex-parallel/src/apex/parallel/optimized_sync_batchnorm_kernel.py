@@ -88,6 +88,16 @@ def _world_size(process_group) -> int:
     return size
 
 
+def _check_channel_vectors(vectors: dict, c: int) -> None:
+    """Each given per-channel tensor of ``vectors`` (name -> tensor or None) holds C values."""
+    for name, t in vectors.items():
+        if t is not None and t.shape != (c,):
+            raise ValueError(
+                f"SyncBatchnormFunction: {name} must have shape ({c},) for the input's {c} "
+                f"channels, got {tuple(t.shape)}"
+            )
+
+
 def _check_call(input, z, channel_last, vectors) -> None:
     """The arguments of a direct call (apex's list; the module checks its own): the input's
     rank, z of the input's shape, and the per-channel vectors of C values, running_mean and
@@ -101,13 +111,7 @@ def _check_call(input, z, channel_last, vectors) -> None:
             f"SyncBatchnormFunction: z must have the input's shape {tuple(input.shape)}, got "
             f"{tuple(z.shape)}"
         )
-    c = input.shape[-1] if channel_last else input.shape[1]
-    for name, t in vectors.items():
-        if t is not None and t.shape != (c,):
-            raise ValueError(
-                f"SyncBatchnormFunction: {name} must have shape ({c},) for the input's {c} "
-                f"channels, got {tuple(t.shape)}"
-            )
+    _check_channel_vectors(vectors, input.shape[-1] if channel_last else input.shape[1])
     if (vectors["running_mean"] is None) != (vectors["running_var"] is None):
         raise ValueError(
             "SyncBatchnormFunction: give both running_mean and running_var, or neither"
@@ -115,8 +119,8 @@ def _check_call(input, z, channel_last, vectors) -> None:
 
 
 def _running_stats(x, running_mean, running_var) -> torch.Tensor:
-    """``[running_mean, running_var, count]`` packed as one rank's statistics: the forward op
-    normalises by them (eval), the count only scaling the backward's zero sums."""
+    """``[running_mean, running_var, count]`` packed as one rank's statistics of ``x``
+    ``(M, C, *)``: the forward op normalises by them."""
     if running_mean is None or running_var is None:
         raise ValueError(
             "SyncBatchnormFunction: track_running_stats=False normalises by the running "

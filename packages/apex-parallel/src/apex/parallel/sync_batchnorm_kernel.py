@@ -22,10 +22,12 @@ from .optimized_sync_batchnorm_kernel import (
     _DYNAMO_READS_NEEDS_INPUT_GRAD,
     _backward,
     _backward_reduce,
+    _check_channel_vectors,
     _direct,
     _forward,
     _not_twice,
     _param_grads,
+    _running_stats,
 )
 
 __all__ = ["SyncBatchnormFunction"]
@@ -43,11 +45,7 @@ def _check(input, weight, bias, mean, var) -> None:
                 f"SyncBatchnormFunction: {name} must be a tensor of the {c} channels' values, "
                 f"got {None if t is None else tuple(t.shape)}"
             )
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.shape != (c,):
-            raise ValueError(
-                f"SyncBatchnormFunction: {name} must have shape ({c},), got {tuple(t.shape)}"
-            )
+    _check_channel_vectors({"weight": weight, "bias": bias}, c)
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
@@ -64,9 +62,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
             ctx.grads_needed = tuple(
                 t is not None and t.requires_grad for t in (input, weight, bias)
             )
-        c = input.shape[1]
-        count = input.new_full((1,), input.numel() // max(c, 1), dtype=torch.float32)
-        stats = torch.cat([running_mean.float(), running_variance.float(), count])
+        stats = _running_stats(input, running_mean, running_variance)
         with _direct():
             out, saved = _forward(
                 input, stats, None, weight, bias, None, None, None, eps, 0.0, False
