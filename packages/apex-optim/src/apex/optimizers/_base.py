@@ -233,7 +233,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     """Base class of the fused optimizers (not public API).
 
     Each subclass's ``step`` is wrapped in ``opaque_to_dynamo`` (torch.compiler.disable, lazily):
-    compiled code calls it as an opaque function. Traced, its cached lists became guards and every step recompiled."""
+    compiled code calls it as an opaque function. Traced, its cached lists became guards and
+    every step recompiled."""
 
     # Set by subclasses.
     _state_keys: tuple[str, ...] = ()
