@@ -15,6 +15,7 @@
 #                H; NCU_K: the kernel-name regex, default "fwd_fast|bwd_ring")
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
+#   WALL=1       one eager forward+backward's timeline at H=1024, ours and torch's (wall_trace_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
 #   NO_TESTS=1   compile only, no tests
 #   TEST_DIRS="packages/apex-norm/tests=240 packages/apex-parallel/tests=200 ..."  the `cuda`
@@ -113,6 +114,10 @@ fi
 if [ "${HOST:-0}" = 1 ]; then
   timeout 60 python3 scripts/host_norm.py 1024 > "$OUT/host_norm.txt" 2>&1
   head -14 "$OUT/host_norm.txt"
+fi
+if [ "${WALL:-0}" = 1 ]; then
+  timeout 150 python3 scripts/wall_trace_norm.py 1024 > "$OUT/wall_trace.txt" 2>&1
+  grep -E "wall/device|: step" "$OUT/wall_trace.txt"
 fi
 if [ -n "${BASE:-}" ]; then
   wait
