@@ -1391,17 +1391,23 @@ struct Tune {
   // two runs, 1 / 0): 78.5, 78.2 / 74.6, 74.8; 68.3, 68.3 / 66.5, 66.5; 69.1, 69.0 / 69.8, 69.6.
   int bwd_bias4 = 1;
   // The 16-bit forward's cache hints where weight, bias and output share the input's dtype (see
-  // kHintX), LayerNorm's (fwd_hint) and RMSNorm's (rms_fwd_hint): 0 none; 1 the input's loads
-  // skip L1; 3 also weight and bias at L1::evict_last through the read-only path; 7 also the
-  // output stored as streaming data; 4 that store alone (built, not yet timed); other values:
-  // none. Measured on an H200 (2026-12-05
+  // kHintX), LayerNorm's (fwd_hint) and RMSNorm's (rms_fwd_hint): 0 none; 7 the input's loads
+  // skip L1, weight and bias at L1::evict_last through the read-only path, the output stored as
+  // streaming data; 4 that store alone; other values: none (1 and 3, the loads' hints without
+  // the store, were compiled until 12-05 06:0x: no gain below). Measured on an H200 (2026-12-05
   // 03:4x, scripts/gpu_norm.sh HINT_SWEEP=1, bf16 fwd, % of copy at H = 1024 / 2048 / 4096 /
   // 8192 / 16384, two runs each): LayerNorm 0: 78.5, 79.9 / 87.5, 87.3 / 88.2, 87.9 / 88.0, 88.3
   // / 86.5, 87.9; 1: 79.4, 79.5 / 86.3, 86.5 / 87.3, 86.8 / 85.4, 85.4 / 90.0, 84.8; 3: 79.1,
   // 79.5 / 87.0, 86.1 / 86.8, 87.1 / 85.4, 85.4 / 89.8, 90.5; 7: 83.3, 84.9 / 88.7, 90.8 / 87.8,
   // 89.0 / 92.9, 94.2 / 87.1, 94.2. RMSNorm 0: 89.4, 89.4 / 92.5, 91.5 / 95.9, 96.4 / 96.4,
   // 96.8 / 98.8, 98.7; 7: 87.5, 88.7 / 91.7, 93.6 / 94.9, 97.1 / 94.5, 95.8 / 94.8, 96.2 (1 and
-  // 3 lower still). So the streaming store is what helps LayerNorm, and RMSNorm keeps none.
+  // 3 lower still). So the streaming store is what helps LayerNorm, and RMSNorm keeps none. On
+  // an H100 (12-05 05:4x, the same sweep, 7 / 4 for LayerNorm, 0 / 4 for RMSNorm): LayerNorm
+  // 92.7, 92.4 / 86.7, 87.0; 95.4, 96.1 / 92.7, 93.0; 97.6, 98.5 / 98.1, 98.5; 98.6, 99.0 /
+  // 99.4, 99.2; 98.9, 99.6 / 100.0, 99.9; RMSNorm 94.6, 94.8 / 94.4, 94.1; 97.3, 97.2 / 97.3,
+  // 97.4; 98.7, 99.1 / 98.4, 98.7; 99.4, 99.6 / 99.0, 99.1; 100.1, 100.3 / 100.0, 100.0: the
+  // store alone gains RMSNorm nothing there (untimed on an H200) and costs LayerNorm's short
+  // rows the input hints' 5-6 points.
   int fwd_hint = 7;
   int rms_fwd_hint = 0;
 };
@@ -1607,10 +1613,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
           };
           // Tune's fwd_hint / rms_fwd_hint: the hint sets compiled (see kHintX), else none.
           switch (RMS ? tune().rms_fwd_hint : tune().fwd_hint) {
-            case kHintX: kernel = lean(std::integral_constant<int, kHintX>{}); break;
-            case kHintX | kHintParams:
-              kernel = lean(std::integral_constant<int, kHintX | kHintParams>{});
-              break;
             case kHintX | kHintParams | kHintY:
               kernel = lean(std::integral_constant<int, kHintX | kHintParams | kHintY>{});
               break;
