@@ -404,15 +404,18 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits; LayerNorm's forward
         # without its cache hints
         "smem_kb=99,fwd_hint=0",
-        "smem_kb=160",  # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
+        # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast; LayerNorm's ring backward
+        # with grad_input's streaming store, RMSNorm's float32 forward with its output's
+        "smem_kb=160,bwd_hint=1,fwd32_hint=2",
         # the knobs' other kernels and the merged forward moments; LayerNorm's forward with its
         # streaming store alone
         "bwd_ring=0,ln_one_pass=0,fwd_hint=4",
         # the 16-bit kernels without their 80-register caps; RMSNorm's forward with the
         # streaming store alone, LayerNorm's with an uncompiled set (none)
         "fwd_r80=0,bwd_r80=0,fwd_hint=3,rms_fwd_hint=4",
-        # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
-        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
+        # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096; both norms'
+        # streaming stores (the general ring's, float32's forward)
+        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0,bwd_hint=3,fwd32_hint=3",
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
         # ring (H=8192, 16384) with its bias sums one float each; every forward cache hint (the
         # 80-register forward's too)
@@ -439,8 +442,10 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                 backward_against_torch(norm, H, 1031, getattr(torch, dtype), "cuda")
                 print("ok", norm, H, dtype)
             # The 16-bit forward without weight and bias (the hinted kernels' a.w == nullptr
-            # path), and the kernel names its launches took.
-            from apex.normalization.fused_layer_norm import fused_layer_norm, fused_rms_norm
+            # path), bfloat16 backwards and float32 forwards with weights, and the kernel names
+            # their launches took.
+            from apex.normalization.fused_layer_norm import (
+                fused_layer_norm, fused_layer_norm_affine, fused_rms_norm, fused_rms_norm_affine)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for H in (1024, 4096, 16384):
                     x = torch.randn(257, H, device="cuda", dtype=torch.bfloat16)
@@ -449,8 +454,19 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                         (fused_rms_norm(x, (H,), 1e-5), F.rms_norm(x.float(), (H,), eps=1e-5)),
                     ):
                         torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+                for H in (2048, 4096, 8192):
+                    for norm in ("layer", "rms"):
+                        backward_against_torch(norm, H, 257, torch.bfloat16, "cuda")
+                x = torch.randn(257, 4096, device="cuda")
+                w, b = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+                for y, want in (
+                    (fused_layer_norm_affine(x, w, b, (4096,), 1e-5),
+                     F.layer_norm(x, (4096,), w, b, eps=1e-5)),
+                    (fused_rms_norm_affine(x, w, (4096,), 1e-5), F.rms_norm(x, (4096,), w, eps=1e-5)),
+                ):
+                    torch.testing.assert_close(y, want)
                 torch.cuda.synchronize()
-            for name in sorted({{e.name for e in prof.events() if "fwd_" in e.name}}):
+            for name in sorted({{e.name for e in prof.events() if "fwd_" in e.name or "bwd_" in e.name}}):
                 print("kernel", name)
             """
         )
@@ -462,9 +478,9 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == len(KNOB_CASES)
     kernels = [line for line in done.stdout.splitlines() if line.startswith("kernel ")]
-    # The forward kernels carry the norm (third template argument: RMS) and the hint set (the
-    # last); each norm's must have run with its knob's set (defaults: LayerNorm 7, RMSNorm 0).
-    # (Sets other than 0, 4 and 7 are not compiled: such a value runs none.)
+    # The 16-bit forward kernels carry the norm (third template argument: RMS) and the hint set
+    # (the last); each norm's must have run with its knob's set (defaults: LayerNorm 7, RMSNorm
+    # 0). (Sets other than 0, 4 and 7 are not compiled: such a value runs none.)
     knobs = dict(k.split("=") for k in tune.split(","))
     sets = {0, 4, 7}
     want = {
@@ -477,9 +493,30 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     ran = {
         (m[1], int(m[2]))
         for k in kernels
-        if (m := re.search(r"fwd_fast(?:_r80)?<[^,]+, \d+, (true|false)[^()]*, (\d+)>", k))
+        if (
+            m := re.search(
+                r"fwd_fast(?:_r80)?<(?:c10::)?(?:BFloat16|Half), \d+, (true|false)[^()]*, (\d+)>", k
+            )
+        )
     }
     assert set(want.items()) <= ran, (want, kernels)
+    # float32's forward (LEAN with the streaming store: fwd32_hint) and the bfloat16 ring
+    # backward (grad_input streamed, its last template argument: bwd_hint), by norm bit (1
+    # LayerNorm, 2 RMSNorm): every such kernel of the norm ran with the knob's choice.
+    for knob, pattern, on in (
+        ("fwd32_hint", r"fwd_fast<float, \d+, (true|false), (\w+), (\d+)>", ("true", "4")),
+        (
+            "bwd_hint",
+            r"bwd_ring(?:_r80)?<(?:c10::)?BFloat16, \d+, (true|false),[^()]*, (\w+)>",
+            ("true",),
+        ),
+    ):
+        bits = int(knobs.get(knob, 0))
+        for rms, bit in (("false", 1), ("true", 2)):
+            seen = {m.groups()[1:] for k in kernels if (m := re.search(pattern, k)) and m[1] == rms}
+            expect = on if bits & bit else tuple("false" if v == "true" else "0" for v in on)
+            # (No ring runs where the shared memory is capped below it: smem_kb=99.)
+            assert seen <= {expect} and (seen or not bits & bit), (knob, rms, seen, kernels)
 
 
 @pytest.mark.cuda

@@ -250,6 +250,20 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const float (&o)[kVec]
   }
 }
 
+// Eight floats stored as two 16-byte vectors with kHintY's streaming store (float32 rows: Tune's
+// fwd32_hint, a float32 output).
+__device__ __forceinline__ void store_vec_streaming(float* p, const float (&o)[kVec]) {
+  if constexpr (kHasHints) {
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(o[0]), "f"(o[1]),
+                 "f"(o[2]), "f"(o[3]));
+    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p + 4), "f"(o[4]),
+                 "f"(o[5]), "f"(o[6]), "f"(o[7]));
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(o[0], o[1], o[2], o[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(o[4], o[5], o[6], o[7]);
+  }
+}
+
 // An empty asm on a packed 16-bit vector's words: the compiler must assume they changed, so it
 // converts them to float again at the next use instead of keeping the earlier conversions live.
 template <typename T>
@@ -399,7 +413,11 @@ __device__ __forceinline__ void fwd_param_vec(const void* p, int dt, int64_t i, 
 template <typename Tx, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
   if constexpr ((HINT & kHintY) != 0) {
-    store_vec_streaming<Tx>(static_cast<Tx*>(p) + i, o);
+    if constexpr (sizeof(Tx) == 4) {
+      store_vec_streaming(static_cast<float*>(p) + i, o);
+    } else {
+      store_vec_streaming<Tx>(static_cast<Tx*>(p) + i, o);
+    }
   } else {
     store_out_vec<Tx, LEAN>(p, dt, i, o);
   }
@@ -414,7 +432,8 @@ __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const fl
 // HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows only).
 template <typename Tx, int NV, bool RMS, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
-  static_assert(HINT == 0 || (LEAN && sizeof(Tx) == 2), "cache hints are for 16-bit LEAN rows");
+  static_assert(HINT == 0 || (LEAN && (sizeof(Tx) == 2 || HINT == kHintY)),
+                "cache hints are for LEAN rows, float32 ones the streaming store alone");
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
   GroupSum<false> gsum{reinterpret_cast<float2*>(slots), 0};
@@ -430,7 +449,7 @@ __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
     for (int k = 0; k < NV; ++k) {
       const int64_t j = threadIdx.x + int64_t(k) * blockDim.x;
       if (live && j < nvec) {
-        if constexpr (HINT != 0) {
+        if constexpr ((HINT & kHintX) != 0) {
           load_pack_hinted<HINT, kHintX>(static_cast<const Tx*>(a.x) + row * a.H + j * kVec, cur[k]);
         } else {
           load_pack(a.x, row * a.H + j * kVec, cur[k]);
@@ -642,8 +661,10 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 // vector k of the input (or output) and of grad_output, once per pass (registers for bwd_fast,
 // the ring's shared memory for bwd_ring); acc(i, dy, x-hat) adds element i's terms
 // (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a barrier
-// inside); `live`: the row exists.
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename Src, typename Acc>
+// inside); `live`: the row exists. CS: grad_input stored as streaming data where its dtype is Tx
+// (Tune's bwd_hint).
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false, typename Src,
+          typename Acc>
 __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum<!RMS>& gsum, Src&& src, float muc,
                                         float rc, int64_t row, bool live, Acc&& acc) {
   const int64_t nvec = a.H / kVec;
@@ -704,7 +725,16 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum<!RMS>& gsum, 
         const float g = a.w ? dy * w[e] : dy;
         o[e] = fmaf(g, rc, fmaf(t, c1, c0));
       }
-      store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
+      if constexpr (CS) {
+        constexpr int kDx = std::is_same_v<Tx, at::BFloat16> ? kBF16 : kF16;
+        if (LEAN || a.dxt == kDx) {
+          store_vec_streaming<Tx>(static_cast<Tx*>(a.dx) + row * a.H + j * kVec, o);
+        } else {
+          store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
+        }
+      } else {
+        store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
+      }
     }
   }
 }
@@ -910,7 +940,7 @@ __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv *
 // would be more than 32 floats a thread.
 __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS, bool CS>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
   constexpr bool kBS = ring_bias_in_smem(NV, RMS);
@@ -994,7 +1024,7 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
     float bq[4];  // kBS: grad_output of the quad being summed (i is a constant: registers)
-    bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
+    bwd_row<Tx, NV, RMS, ME, LEAN, CS>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
       if constexpr (kBS && !QUADS) {
         if (sum_b) acc_b1[i * nthreads] += dy;
@@ -1038,15 +1068,15 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true, bool CS = false>
 __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS, CS>(a);
 }
 
 // bwd_ring at 80 registers (see Tune's bwd_r80).
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false>
 __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true, CS>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1410,6 +1440,17 @@ struct Tune {
   // rows the input hints' 5-6 points.
   int fwd_hint = 7;
   int rms_fwd_hint = 0;
+  // The float32 forward (weight, bias and output float32 too) with its output stored as
+  // streaming data (kHintY, through fwd_fast's LEAN variant): 1 LayerNorm, 2 RMSNorm, 3 both, 0
+  // neither. The 16-bit LayerNorm forward gained from that store (fwd_hint above); float32's
+  // bench of record (H200, 12-05 ~04:00, H=4096 fwd): LayerNorm 85.3 % of copy, RMSNorm 98.6 %,
+  // torch.compile 101.6-101.8 %. Built 12-05 (third session), not yet timed: off.
+  int fwd32_hint = 0;
+  // The 16-bit ring backward's grad_input stored as streaming data (st.global.cs; bfloat16
+  // rows, not memory_efficient): 1 LayerNorm, 2 RMSNorm, 3 both, 0 neither. The hypothesis is
+  // the forward's: its output's store was what gained. Built 12-05 (third session), not yet
+  // timed: off.
+  int bwd_hint = 0;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1430,6 +1471,8 @@ constexpr Knob kKnobs[] = {
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
+    {"fwd32_hint", &Tune::fwd32_hint, 0, kAny},
+    {"bwd_hint", &Tune::bwd_hint, 0, kAny},
 };
 
 const Tune& tune() {
@@ -1620,6 +1663,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             default: kernel = lean(std::integral_constant<int, 0>{}); break;
           }
         }
+      } else if constexpr (std::is_same_v<Tx, float>) {
+        // Tune's fwd32_hint: float32 rows (weight, bias and output float32 too) with the
+        // streaming store.
+        if (same && (tune().fwd32_hint & (RMS ? 2 : 1))) kernel = fwd_fast<float, NV, RMS, true, kHintY>;
       }
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
       // its rows.
@@ -1784,14 +1831,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             }
             if (memory_efficient) return launch(bwd_ring<Tx, NV, RMS, true, false>, true);
             // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
+            // Tune's bwd_hint: grad_input's streaming store, bfloat16 rows only (compiled there).
             auto plain = [&](auto lean_tag) {
               constexpr bool L = decltype(lean_tag)::value;
-              // Rows of 2 vectors only: at 4, 80 registers spilled (LayerNorm's LEAN ring 232
-              // bytes, 18:1x build; memory_efficient, which takes bwd_ring above, 300+).
-              if constexpr (NV == 2) {
-                if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) return launch(bwd_ring_r80<Tx, NV, RMS, false, L>, true);
+              auto go = [&](auto cs_tag) {
+                constexpr bool CS = decltype(cs_tag)::value;
+                // Rows of 2 vectors only: at 4, 80 registers spilled (LayerNorm's LEAN ring 232
+                // bytes, 18:1x build; memory_efficient, which takes bwd_ring above, 300+).
+                if constexpr (NV == 2) {
+                  if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) {
+                    return launch(bwd_ring_r80<Tx, NV, RMS, false, L, CS>, true);
+                  }
+                }
+                launch(bwd_ring<Tx, NV, RMS, false, L, true, CS>, true);
+              };
+              if constexpr (std::is_same_v<Tx, at::BFloat16>) {
+                if (tune().bwd_hint & (RMS ? 2 : 1)) return go(std::true_type{});
               }
-              launch(bwd_ring<Tx, NV, RMS, false, L>, true);
+              go(std::false_type{});
             };
             // Rows of 1-2 vectors, and RMSNorm's 4-vector rows of 512 threads (8192 < H <=
             // 16384; measured at 16384): at 4 vectors LEAN measured slower elsewhere (H200
