@@ -429,7 +429,8 @@ __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const fl
 // than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 86 registers, not 126).
 // Two kernels run it: fwd_fast (blocks of up to kMaxTX threads, so 128 registers at most) and
 // fwd_fast_r80 (LEAN at 80 registers: three blocks of 256 threads per SM); see Tune's fwd_r80.
-// HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows only).
+// HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows), or the streaming store alone for
+// float32 LEAN rows (Tune's fwd32_hint; weight, bias and output float32 too).
 template <typename Tx, int NV, bool RMS, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
   static_assert(HINT == 0 || (LEAN && (sizeof(Tx) == 2 || HINT == kHintY)),
