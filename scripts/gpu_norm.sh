@@ -107,9 +107,9 @@ if [ "${RING4_SWEEP:-0}" = 1 ]; then
 fi
 if [ "${STORE_SWEEP:-0}" = 1 ]; then
   # Off (the defaults) against on for both norms, twice each, alternating.
-  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_store.txt 200 \
+  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_store.txt 240 \
     "bwd_hint=0" "bwd_hint=3" "bwd_hint=0" "bwd_hint=3"
-  SWEEP_DT=fp32 SWEEP_PASSES=fwd,fwd+bwd SWEEP_H=1024,4096,16384 sweep sweep_store32.txt 150 \
+  SWEEP_DT=fp32 SWEEP_PASSES=fwd,fwd+bwd SWEEP_H=1024,4096,16384 sweep sweep_store32.txt 180 \
     "fwd32_hint=0" "fwd32_hint=3" "fwd32_hint=0" "fwd32_hint=3"
 fi
 if [ -n "${SWEEP_SETTINGS:-}" ]; then

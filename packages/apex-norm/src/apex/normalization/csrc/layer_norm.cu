@@ -1448,7 +1448,8 @@ struct Tune {
   // torch.compile 101.6-101.8 %. Built 12-05 (third session), not yet timed: off.
   int fwd32_hint = 0;
   // The 16-bit ring backward's grad_input stored as streaming data (st.global.cs; bfloat16
-  // rows, not memory_efficient): 1 LayerNorm, 2 RMSNorm, 3 both, 0 neither. The hypothesis is
+  // rows, not memory_efficient, not LayerNorm's 4-vector ring under bwd_bias4=0): 1 LayerNorm,
+  // 2 RMSNorm, 3 both, 0 neither. The hypothesis is
   // the forward's: its output's store was what gained. Built 12-05 (third session), not yet
   // timed: off.
   int bwd_hint = 0;
@@ -1472,8 +1473,8 @@ constexpr Knob kKnobs[] = {
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
-    {"fwd32_hint", &Tune::fwd32_hint, 0, kAny},
-    {"bwd_hint", &Tune::bwd_hint, 0, kAny},
+    {"fwd32_hint", &Tune::fwd32_hint, 0, 3},
+    {"bwd_hint", &Tune::bwd_hint, 0, 3},
 };
 
 const Tune& tune() {
@@ -1499,6 +1500,12 @@ const Tune& tune() {
         }
       }
       pos = end + 1;
+    }
+    // The forward's hint sets compiled (see fwd_hint): another value runs none, said once.
+    for (const auto& [name, value] : {std::pair{"fwd_hint", v.fwd_hint}, std::pair{"rms_fwd_hint", v.rms_fwd_hint}}) {
+      if (value != 0 && value != kHintY && value != (kHintX | kHintParams | kHintY)) {
+        TORCH_WARN("APEX_NORM_TUNE: ", name, "=", value, " is not a hint set built (0, 4, 7): none");
+      }
     }
     return v;
   }();
