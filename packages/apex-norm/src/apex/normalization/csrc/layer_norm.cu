@@ -1449,9 +1449,8 @@ struct Tune {
   int fwd32_hint = 0;
   // The 16-bit ring backward's grad_input stored as streaming data (st.global.cs; bfloat16
   // rows, not memory_efficient, not LayerNorm's 4-vector ring under bwd_bias4=0): 1 LayerNorm,
-  // 2 RMSNorm, 3 both, 0 neither. The hypothesis is
-  // the forward's: its output's store was what gained. Built 12-05 (third session), not yet
-  // timed: off.
+  // 2 RMSNorm, 3 both, 0 neither. The hypothesis is the forward's: its output's store was what
+  // gained. Built 12-05 (third session), not yet timed: off.
   int bwd_hint = 0;
 };
 
@@ -1502,7 +1501,8 @@ const Tune& tune() {
       pos = end + 1;
     }
     // The forward's hint sets compiled (see fwd_hint): another value runs none, said once.
-    for (const auto& [name, value] : {std::pair{"fwd_hint", v.fwd_hint}, std::pair{"rms_fwd_hint", v.rms_fwd_hint}}) {
+    for (const auto& [name, value] :
+         {std::pair{"fwd_hint", v.fwd_hint}, std::pair{"rms_fwd_hint", v.rms_fwd_hint}}) {
       if (value != 0 && value != kHintY && value != (kHintX | kHintParams | kHintY)) {
         TORCH_WARN("APEX_NORM_TUNE: ", name, "=", value, " is not a hint set built (0, 4, 7): none");
       }
