@@ -420,6 +420,9 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # ring (H=8192, 16384) with its bias sums one float each; every forward cache hint (the
         # 80-register forward's too)
         "bwd_ring=4,bwd_bias4=0,fwd_hint=7,rms_fwd_hint=7",
+        # LayerNorm's rows past 4096 through bwd_ring_wide (2 vectors a thread on up to 1024
+        # threads); RMSNorm's ring backward with grad_input's streaming store
+        "bwd_wide=1,bwd_hint=2",
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
@@ -455,7 +458,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                         (fused_rms_norm(x, (H,), 1e-5), F.rms_norm(x.float(), (H,), eps=1e-5)),
                     ):
                         torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
-                for H in (2048, 4096, 8192):
+                for H in (2048, 4096, 8192, 12288):
                     for norm in ("layer", "rms"):
                         backward_against_torch(norm, H, 257, torch.bfloat16, "cuda")
                 x = torch.randn(257, 4096, device="cuda")
@@ -519,6 +522,9 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
             expect = on if bits & bit else tuple("false" if v == "true" else "0" for v in on)
             # (No ring runs where the shared memory is capped below it: smem_kb=99.)
             assert seen <= {expect} and (seen or not bits & bit), (knob, rms, seen, kernels)
+    # bwd_wide: LayerNorm's bfloat16 backward at H=8192 took bwd_ring_wide, and only then.
+    wide = any("bwd_ring_wide<" in k for k in kernels)
+    assert wide == (knobs.get("bwd_wide") == "1"), kernels
 
 
 @pytest.mark.cuda

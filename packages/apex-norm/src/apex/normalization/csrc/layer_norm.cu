@@ -280,8 +280,10 @@ __device__ __forceinline__ void reconvert(Pack<T>& pk) {
 // thread of the block must make the same calls (rows past the end pass zeros). A group of a warp
 // or less (blockDim.x <= 32) sums with shuffles alone. BUTTERFLY: how the warps' partials are
 // added (below): LayerNorm's backward takes it, RMSNorm's backward and both forwards keep the
-// loop (their SASS that of before it).
-template <bool BUTTERFLY>
+// loop (their SASS that of before it). MAXW: the most warps a group has (kMaxWarps, or 32 for
+// bwd_ring_wide's rows of up to 1024 threads, whose blocks hold one group: its two parities'
+// slots, [0, 32) and [kMaxTY * kMaxWarps, + 32), stay apart).
+template <bool BUTTERFLY, int MAXW = kMaxWarps>
 struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
   int parity;
@@ -325,7 +327,7 @@ struct GroupSum {
       t.x = m.x;
       if constexpr (K == 2) t.y = m.y;
 #pragma unroll
-      for (int o = 1; o < kMaxWarps; o <<= 1) {
+      for (int o = 1; o < MAXW; o <<= 1) {
         if (o >= nw) break;
         t.x += __shfl_xor_sync(0xffffffffu, t.x, o);
         if constexpr (K == 2) t.y += __shfl_xor_sync(0xffffffffu, t.y, o);
@@ -664,9 +666,9 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 // (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a barrier
 // inside); `live`: the row exists. CS: grad_input stored as streaming data where its dtype is Tx
 // (Tune's bwd_hint).
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false, typename Src,
-          typename Acc>
-__device__ __forceinline__ void bwd_row(const BwdArgs& a, GroupSum<!RMS>& gsum, Src&& src, float muc,
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false, typename GS,
+          typename Src, typename Acc>
+__device__ __forceinline__ void bwd_row(const BwdArgs& a, GS& gsum, Src&& src, float muc,
                                         float rc, int64_t row, bool live, Acc&& acc) {
   const int64_t nvec = a.H / kVec;
   const float inv_h = 1.f / static_cast<float>(a.H);
@@ -941,15 +943,18 @@ __host__ __device__ constexpr bool ring_fits(int nv, bool /*rms*/) { return nv *
 // would be more than 32 floats a thread.
 __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return !rms && nv * kVec * 2 > 32; }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS, bool CS>
+// WIDE: bwd_ring_wide's rows (LayerNorm at 2 vectors a thread on up to 1024 threads, the bias
+// sums in shared memory as at 4 vectors).
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS, bool CS, bool WIDE = false>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
-  constexpr bool kBS = ring_bias_in_smem(NV, RMS);
+  static_assert(!WIDE || (!RMS && NV == 2), "bwd_ring_wide: LayerNorm rows of 2 vectors a thread");
+  constexpr bool kBS = ring_bias_in_smem(NV, RMS) || WIDE;
   const int S = a.stages;  // 2 to 4
   constexpr int C = chunks_of<Tx>();
   __shared__ float2 slots[2 * kMaxTY * kMaxWarps];
   extern __shared__ __align__(16) float dyn[];
-  GroupSum<!RMS> gsum{slots, 0};
+  GroupSum<!RMS, WIDE ? 32 : kMaxWarps> gsum{slots, 0};
   const int64_t nvec = a.H / kVec;
   const bool need_mu = !RMS && !ME;
   const bool sums = a.part_w != nullptr;
@@ -1078,6 +1083,18 @@ __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
 template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false>
 __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
   bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true, CS>(a);
+}
+
+// LayerNorm's 16-bit ring on rows of 512-1024 threads at 2 vectors a thread (H > 4096: 8192 on
+// 512, 16384 on 1024), its bias sums in shared memory as the 4-vector ring keeps them, at 64
+// registers (__launch_bounds__(1024, 1)): 32 warps an SM where the 4-vector ring (125 registers:
+// 256 threads a row, two blocks an SM at 8192; 512, one block at 16384) has 16. Hypothesis:
+// that backward (about 60 % of copy for its three tensors at 16384, RMSNorm's 87 % in the same
+// shape) waits on latency, not on issue (its LEAN variant, with a quarter of the instructions,
+// was slower). Tune's bwd_wide; the same template arguments as bwd_ring, for its name.
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true, bool CS = false>
+__global__ void __launch_bounds__(1024, 1) bwd_ring_wide(BwdArgs a) {
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS, CS, true>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1310,13 +1327,14 @@ struct Config {
 };
 
 // Threads per row: enough that each holds about `per_thread` vectors (min_tx at least: a warp for
-// the backward, one thread for the forward; kMaxTX at most); rows per block: up to 256 threads a
-// block. The backward keeps more arrays per thread, so it asks for fewer vectors each.
-Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx) {
+// the backward, one thread for the forward; max_tx, kMaxTX unless said, at most); rows per block:
+// up to 256 threads a block. The backward keeps more arrays per thread, so it asks for fewer
+// vectors each.
+Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx, int max_tx = kMaxTX) {
   if (aligned && H % kVec == 0 && H > 0) {
     const int64_t nvec = H / kVec;
     int tx = min_tx;
-    while (tx < kMaxTX && int64_t(tx) * per_thread < nvec) tx *= 2;
+    while (tx < max_tx && int64_t(tx) * per_thread < nvec) tx *= 2;
     int nv = 1;
     while (int64_t(tx) * nv < nvec) nv *= 2;
     if (nv <= max_nv) return {tx, std::max(1, 256 / tx), nv};
@@ -1449,9 +1467,13 @@ struct Tune {
   int fwd32_hint = 0;
   // The 16-bit ring backward's grad_input stored as streaming data (st.global.cs; bfloat16
   // rows, not memory_efficient, not LayerNorm's 4-vector ring under bwd_bias4=0): 1 LayerNorm,
-  // 2 RMSNorm, 3 both, 0 neither. The hypothesis is the forward's: its output's store was what
-  // gained. Built 12-05 (third session), not yet timed: off.
+  // 2 RMSNorm, 3 both, 0 neither (not bwd_wide's kernel). The hypothesis is the forward's: its
+  // output's store was what gained. Built 12-05 (third session), not yet timed: off.
   int bwd_hint = 0;
+  // 1: LayerNorm's 16-bit backward on rows past 4096 (LEAN, with a bias, not memory_efficient)
+  // through bwd_ring_wide: 2 vectors a thread on rows of up to 1024 threads at 64 registers, 32
+  // warps an SM against the 4-vector ring's 16. Built 12-05 (third session), not yet timed: off.
+  int bwd_wide = 0;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
@@ -1474,6 +1496,7 @@ constexpr Knob kKnobs[] = {
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
     {"fwd32_hint", &Tune::fwd32_hint, 0, 3},
     {"bwd_hint", &Tune::bwd_hint, 0, 3},
+    {"bwd_wide", &Tune::bwd_wide, 0, 1},
 };
 
 const Tune& tune() {
@@ -1763,15 +1786,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
                           max_dyn_smem(xy.get_device());
     if (fits) per_thread = tune().bwd_wide_pt16;
   }
-  const Config c = pick(H, aligned, 4, per_thread, 32);
-  // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row.
-  TORCH_INTERNAL_ASSERT(c.nv == 0 || (c.tx >= 32 && (c.tx & (c.tx - 1)) == 0));
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 block(c.tx, c.ty);
+  Config c = pick(H, aligned, 4, per_thread, 32);
   const int device = xy.get_device();
   const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
   // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's dtype.
   const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
+  // Tune's bwd_wide: LayerNorm's 16-bit LEAN rows past 4096 with a bias (not memory_efficient)
+  // through bwd_ring_wide, at 2 vectors a thread on up to 1024 threads, where its ring fits.
+  bool wide = false;
+  if (!RMS && xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide > 0 && bias.has_value() &&
+      !memory_efficient && packed && lean && tune().bwd_ring >= 2) {
+    const Config w = pick(H, aligned, 2, 2, 32, 1024);
+    if (w.nv == 2 && bwd_ring_smem(2, 2, 1, w.tx * w.ty, true) <= max_dyn_smem(device)) {
+      c = w;
+      wide = true;
+    }
+  }
+  // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row.
+  TORCH_INTERNAL_ASSERT(c.nv == 0 || (c.tx >= 32 && (c.tx & (c.tx - 1)) == 0));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 block(c.tx, c.ty);
   at::Tensor part_w, part_b;
   int64_t groups = 0;
   dispatch_x(xy.scalar_type(), [&](auto tag) {
@@ -1785,7 +1819,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       const int chunks = int(sizeof(Pack<Tx>) / 16);
       int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;
       auto ring_smem = [&](int S) {
-        return bwd_ring_smem(S, c.nv, chunks, threads, want_b && ring_bias_in_smem(c.nv, RMS));
+        return bwd_ring_smem(S, c.nv, chunks, threads, want_b && (ring_bias_in_smem(c.nv, RMS) || wide));
       };
       while (stages > 2 && ring_smem(stages) > kRingSmemCap) --stages;
       if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
@@ -1830,6 +1864,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         constexpr bool kFast = !kRing || ring_bias_in_smem(NV, RMS);
         if constexpr (kRing) {
           if (packed && ring) {
+            if constexpr (NV == 2 && !RMS) {
+              // Tune's bwd_wide (not with bwd_hint's streaming store: 64 bytes of spill at 64
+              // registers, ptxas nvcc 13.0 sm_90).
+              if (wide) return launch(bwd_ring_wide<Tx, NV, RMS, false, true>, true);
+            }
             // LayerNorm's 4-vector ring with its bias sums one float each (Tune's bwd_bias4).
             if constexpr (ring_bias_in_smem(NV, RMS)) {
               if (tune().bwd_bias4 == 0) {
