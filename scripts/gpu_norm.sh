@@ -9,8 +9,8 @@
 #   RING4_SWEEP=1 LayerNorm's 4-vector ring: bwd_bias4 at H = 8192 / 12288 / 16384
 #   STORE_SWEEP=1 the streaming stores built 12-05: the bf16 ring backward's grad_input (bwd_hint),
 #                every H; float32's forward output (fwd32_hint) at H = 1024 / 4096 / 16384
-#   WIDE_SWEEP=1 LayerNorm's bf16 backward past H=4096 through bwd_ring_wide (bwd_wide) against the
-#                4-vector ring, at H = 8192 / 12288 / 16384
+#   WIDE_SWEEP=1 LayerNorm's bf16 backward through bwd_ring_wide (bwd_wide=3) against the rings of
+#                the defaults, at H = 2048 / 4096 / 8192 / 12288 / 16384
 #   SWEEP_SETTINGS="a=1 a=2 ..."  any APEX_NORM_TUNE settings, one process each (SWEEP_PASSES,
 #                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them; exported for the
 #                whole call, they also narrow the stages that do not set their own, BASE's A/B
@@ -115,8 +115,8 @@ if [ "${STORE_SWEEP:-0}" = 1 ]; then
     "fwd32_hint=0" "fwd32_hint=3" "fwd32_hint=0" "fwd32_hint=3"
 fi
 if [ "${WIDE_SWEEP:-0}" = 1 ]; then
-  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=8192,12288,16384 SWEEP_NORMS=layernorm sweep sweep_wide.txt 150 \
-    "bwd_wide=0" "bwd_wide=1" "bwd_wide=0" "bwd_wide=1"
+  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096,8192,12288,16384 SWEEP_NORMS=layernorm \
+    sweep sweep_wide.txt 180 "bwd_wide=0" "bwd_wide=3" "bwd_wide=0" "bwd_wide=3"
 fi
 if [ -n "${SWEEP_SETTINGS:-}" ]; then
   # shellcheck disable=SC2086  # one word per setting

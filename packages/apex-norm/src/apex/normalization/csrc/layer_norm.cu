@@ -281,8 +281,9 @@ __device__ __forceinline__ void reconvert(Pack<T>& pk) {
 // or less (blockDim.x <= 32) sums with shuffles alone. BUTTERFLY: how the warps' partials are
 // added (below): LayerNorm's backward takes it, RMSNorm's backward and both forwards keep the
 // loop (their SASS that of before it). MAXW: the most warps a group has (kMaxWarps, or 32 for
-// bwd_ring_wide's rows of up to 1024 threads, whose blocks hold one group: its two parities'
-// slots, [0, 32) and [kMaxTY * kMaxWarps, + 32), stay apart).
+// bwd_ring_wide's rows of up to 1024 threads; a group of more than kMaxWarps warps fills its
+// block, 256 / tx rows a block, so its two parities' slots, [0, 32) and [kMaxTY * kMaxWarps,
+// + 32), stay apart).
 template <bool BUTTERFLY, int MAXW = kMaxWarps>
 struct GroupSum {
   float2* slots;  // [2][kMaxTY][kMaxWarps]
@@ -1470,9 +1471,11 @@ struct Tune {
   // 2 RMSNorm, 3 both, 0 neither (not bwd_wide's kernel). The hypothesis is the forward's: its
   // output's store was what gained. Built 12-05 (third session), not yet timed: off.
   int bwd_hint = 0;
-  // 1: LayerNorm's 16-bit backward on rows past 4096 (LEAN, with a bias, not memory_efficient)
-  // through bwd_ring_wide: 2 vectors a thread on rows of up to 1024 threads at 64 registers, 32
-  // warps an SM against the 4-vector ring's 16. Built 12-05 (third session), not yet timed: off.
+  // LayerNorm's 16-bit backward (LEAN, with a bias, not memory_efficient) through bwd_ring_wide:
+  // 2 vectors a thread on rows of up to 1024 threads at 64 registers, its bias sums in shared
+  // memory. Bit 1: rows past 4096, 32 warps an SM against the 4-vector ring's 16; bit 2: rows
+  // of 1025-4096, 32 warps against bwd_ring_r80's 24 (80 registers, three blocks of 256 at
+  // 4096). Built 12-05 (third session), not yet timed: off.
   int bwd_wide = 0;
 };
 
@@ -1496,7 +1499,7 @@ constexpr Knob kKnobs[] = {
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
     {"fwd32_hint", &Tune::fwd32_hint, 0, 3},
     {"bwd_hint", &Tune::bwd_hint, 0, 3},
-    {"bwd_wide", &Tune::bwd_wide, 0, 1},
+    {"bwd_wide", &Tune::bwd_wide, 0, 3},
 };
 
 const Tune& tune() {
@@ -1791,10 +1794,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const bool packed = dy.scalar_type() == xy.scalar_type();  // bwd_fast keeps both packed
   // The ring's LEAN variant (see Tune's bwd_lean): weight, bias and grad_input in the input's dtype.
   const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
-  // Tune's bwd_wide: LayerNorm's 16-bit LEAN rows past 4096 with a bias (not memory_efficient)
-  // through bwd_ring_wide, at 2 vectors a thread on up to 1024 threads, where its ring fits.
+  // Tune's bwd_wide: LayerNorm's 16-bit LEAN rows with a bias (not memory_efficient) past 4096
+  // (bit 1) or of 1025-4096 (bit 2) through bwd_ring_wide, at 2 vectors a thread on up to 1024
+  // threads, where its ring fits.
   bool wide = false;
-  if (!RMS && xy.element_size() == 2 && H > 512 * kVec && tune().bwd_wide > 0 && bias.has_value() &&
+  const int wide_bit = H > 512 * kVec ? 1 : (H > 128 * kVec ? 2 : 0);
+  if (!RMS && xy.element_size() == 2 && (tune().bwd_wide & wide_bit) && bias.has_value() &&
       !memory_efficient && packed && lean && tune().bwd_ring >= 2) {
     const Config w = pick(H, aligned, 2, 2, 32, 1024);
     if (w.nv == 2 && bwd_ring_smem(2, 2, 1, w.tx * w.ty, true) <= max_dyn_smem(device)) {
