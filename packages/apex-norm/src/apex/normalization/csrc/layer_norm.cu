@@ -1807,8 +1807,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       wide = true;
     }
   }
-  // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row.
+  // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row; a row
+  // of more than kMaxTX threads fills its block (GroupSum's slots).
   TORCH_INTERNAL_ASSERT(c.nv == 0 || (c.tx >= 32 && (c.tx & (c.tx - 1)) == 0));
+  TORCH_INTERNAL_ASSERT(c.tx <= kMaxTX || c.ty == 1);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 block(c.tx, c.ty);
   at::Tensor part_w, part_b;
@@ -1826,7 +1828,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       auto ring_smem = [&](int S) {
         return bwd_ring_smem(S, c.nv, chunks, threads, want_b && (ring_bias_in_smem(c.nv, RMS) || wide));
       };
-      while (stages > 2 && ring_smem(stages) > kRingSmemCap) --stages;
+      // (bwd_wide's ring fits at 2 stages: checked where it was chosen.)
+      while (stages > 2 && (ring_smem(stages) > kRingSmemCap ||
+                            (wide && ring_smem(stages) > max_dyn_smem(device)))) {
+        --stages;
+      }
       if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
       a.stages = stages;
       const bool ring = stages >= 2;
