@@ -416,11 +416,7 @@ __device__ __forceinline__ void fwd_param_vec(const void* p, int dt, int64_t i, 
 template <typename Tx, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
   if constexpr ((HINT & kHintY) != 0) {
-    if constexpr (sizeof(Tx) == 4) {
-      store_vec_streaming(static_cast<float*>(p) + i, o);
-    } else {
-      store_vec_streaming<Tx>(static_cast<Tx*>(p) + i, o);
-    }
+    store_vec_streaming(static_cast<Tx*>(p) + i, o);  // float32: the overload of its own
   } else {
     store_out_vec<Tx, LEAN>(p, dt, i, o);
   }
@@ -1828,11 +1824,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       auto ring_smem = [&](int S) {
         return bwd_ring_smem(S, c.nv, chunks, threads, want_b && (ring_bias_in_smem(c.nv, RMS) || wide));
       };
-      // (bwd_wide's ring fits at 2 stages: checked where it was chosen.)
-      while (stages > 2 && (ring_smem(stages) > kRingSmemCap ||
-                            (wide && ring_smem(stages) > max_dyn_smem(device)))) {
-        --stages;
-      }
+      // Fewer stages where more would pass the cap or the device's limit; none where 2 do not fit.
+      const size_t stage_cap = std::min(kRingSmemCap, max_dyn_smem(device));
+      while (stages > 2 && ring_smem(stages) > stage_cap) --stages;
       if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
       a.stages = stages;
       const bool ring = stages >= 2;
