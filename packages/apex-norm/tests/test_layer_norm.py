@@ -30,6 +30,7 @@ from apex.normalization import FusedLayerNorm, MixedFusedLayerNorm
 from apex.normalization import reference as ref
 from apex.normalization.fused_layer_norm import (
     FusedLayerNormAffineFunction,
+    FusedLayerNormFunction,
     fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm_affine,
@@ -47,21 +48,32 @@ SHAPES = [  # (input shape, normalized_shape)
 ]
 
 
-def run(x, w, b, shape, eps, memory_efficient):
+# The routes a CPU call can take: the functional forms (eager, without memory_efficient: torch's
+# own norms through the plain math) and the autograd Functions (the apex_norm ops, so the
+# reference's forward and backward).
+ROUTES = ["functional", "Function"]
+
+
+def run(x, w, b, shape, eps, memory_efficient, route="functional"):
+    if route == "Function":
+        if w is None and b is None:
+            return FusedLayerNormFunction.apply(x, shape, eps, memory_efficient)
+        return FusedLayerNormAffineFunction.apply(x, w, b, shape, eps, memory_efficient)
     if w is None and b is None:
         return fused_layer_norm(x, shape, eps, memory_efficient)
     return fused_layer_norm_affine(x, w, b, shape, eps, memory_efficient)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("xshape,shape", SHAPES)
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
 @pytest.mark.parametrize("memory_efficient", [False, True])
-def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient):
+def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient, route):
     x = make(xshape, dtype, requires_grad=True)
     w = param(shape, dtype) if affine in ("both", "weight") else None
     b = param(shape, dtype) if affine in ("both", "bias") else None
-    y = run(x, w, b, shape, 1e-5, memory_efficient)
+    y = run(x, w, b, shape, 1e-5, memory_efficient, route)
     assert y.dtype == dtype and y.shape == x.shape
     expected = torch_layer_norm(x, shape, w, b, 1e-5)
     torch.testing.assert_close(y.double(), expected, **tol(dtype))
@@ -124,29 +136,33 @@ def test_non_contiguous_input():
     torch.testing.assert_close(gx, ex)
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("route", ROUTES)
+def test_gradcheck_float64(route):
     x = make((3, 2, 5), torch.float64, requires_grad=True)
     w, b = param((2, 5), torch.float64), param((2, 5), torch.float64)
     for mem in (False, True):
         assert torch.autograd.gradcheck(
-            lambda x, w, b, mem=mem: fused_layer_norm_affine(x, w, b, (2, 5), 1e-5, mem), (x, w, b)
+            lambda x, w, b, mem=mem: run(x, w, b, (2, 5), 1e-5, mem, route), (x, w, b)
         )
-    assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, (5,), 1e-5), (x,))
+    assert torch.autograd.gradcheck(lambda x: run(x, None, None, (5,), 1e-5, False, route), (x,))
 
 
-def test_gradgradcheck_float64():
+@pytest.mark.parametrize("route", ROUTES)
+def test_gradgradcheck_float64(route):
     """Double backward (create_graph=True), as torch.nn.LayerNorm has it: weight and bias or
     not, a non-contiguous input, the mixed form."""
     x = make((3, 2, 5), torch.float64, requires_grad=True)
     w, b = param((2, 5), torch.float64), param((2, 5), torch.float64)
     assert torch.autograd.gradgradcheck(
-        lambda x, w, b: fused_layer_norm_affine(x, w, b, (2, 5), 1e-5), (x, w, b)
+        lambda x, w, b: run(x, w, b, (2, 5), 1e-5, False, route), (x, w, b)
     )
-    assert torch.autograd.gradgradcheck(lambda x: fused_layer_norm(x, (5,), 1e-5), (x,))
+    assert torch.autograd.gradgradcheck(
+        lambda x: run(x, None, None, (5,), 1e-5, False, route), (x,)
+    )
     xt = make((5, 4), torch.float64).t().requires_grad_(True)
     wt = param((5,), torch.float64)
     assert torch.autograd.gradgradcheck(
-        lambda x, w: fused_layer_norm_affine(x, w, None, (5,), 1e-5), (xt, wt)
+        lambda x, w: run(x, w, None, (5,), 1e-5, False, route), (xt, wt)
     )
     assert torch.autograd.gradgradcheck(
         lambda x, w, b: mixed_dtype_fused_layer_norm_affine(x, w, b, (2, 5), 1e-5), (x, w, b)

@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from norm_testing import make, param, rms_norm
+from norm_testing import make, param, rms_norm, tol
 
 import apex.normalization as norm
 from apex.multi_tensor_apply.testing import opcheck
 from apex.normalization import fused_layer_norm as fln
-from apex.normalization import ops
+from apex.normalization import ops, reference
 
 
 def test_exports_and_class_names():
@@ -743,6 +743,40 @@ def test_cuda_eager_path_refuses_double_backward_through_memory_efficient():
         y = m.cuda()(x)
         with pytest.raises(RuntimeError, match="memory_efficient=False for double backward"):
             torch.autograd.grad(y.sum(), [x], create_graph=True)
+
+
+@pytest.mark.parametrize("no_f_rms_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_eager_path_is_torchs_norms_and_memory_efficient_keeps_the_function(
+    monkeypatch, dtype, no_f_rms_norm
+):
+    """On the CPU the functional forms (and so the modules) run torch's own norms through the
+    plain math, differentiated by torch's autograd: no autograd Function (grad_fn torch's), the
+    Function's results and dtypes. memory_efficient keeps the Function. ``no_f_rms_norm``: a torch without F.rms_norm (2.3) takes the plain RMSNorm math."""
+    if no_f_rms_norm:
+        monkeypatch.setattr(reference, "_F_RMS", None)
+    H = 48
+    x = make((6, H), dtype, requires_grad=True)
+    w, b = param((H,), torch.float32), param((H,), torch.float32)  # mixed: out in x's dtype
+    dy = torch.randn(6, H, dtype=dtype)
+    cases = [
+        (fln.fused_layer_norm_affine, fln.FusedLayerNormAffineFunction, (w, b)),
+        (fln.fused_rms_norm_affine, fln.FusedRMSNormAffineFunction, (w,)),
+    ]
+    for form, function, params in cases:
+        y = form(x, *params, (H,), 1e-5)
+        assert "Function" not in y.grad_fn.name(), y.grad_fn.name()
+        y_fn = function.apply(x, *params, torch.Size([H]), 1e-5, False)
+        assert "Function" in y_fn.grad_fn.name()
+        assert y.dtype == y_fn.dtype == dtype
+        torch.testing.assert_close(y, y_fn, **tol(dtype))
+        ins = [x, *params]
+        for got, want in zip(torch.autograd.grad(y, ins, dy), torch.autograd.grad(y_fn, ins, dy)):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, **tol(dtype, torch.float16))
+        y_me = form(x, *params, (H,), 1e-5, True)
+        assert "Function" in y_me.grad_fn.name(), y_me.grad_fn.name()
+        torch.testing.assert_close(y_me, y_fn, **tol(dtype))
 
 
 @pytest.mark.cuda

@@ -23,6 +23,7 @@ from norm_testing import (
 from apex.normalization import FusedRMSNorm, MixedFusedRMSNorm
 from apex.normalization.fused_layer_norm import (
     FusedRMSNormAffineFunction,
+    FusedRMSNormFunction,
     fused_rms_norm,
     fused_rms_norm_affine,
     manual_rms_norm,
@@ -42,22 +43,33 @@ SHAPES = [
 ]
 
 
-def run(x, w, shape, eps, memory_efficient):
+# The routes a CPU call can take: the functional forms (eager, without memory_efficient: torch's
+# own F.rms_norm through the plain math) and the autograd Functions (the apex_norm ops, so the
+# reference's forward and backward).
+ROUTES = ["functional", "Function"]
+
+
+def run(x, w, shape, eps, memory_efficient, route="functional"):
+    if route == "Function":
+        if w is None:
+            return FusedRMSNormFunction.apply(x, shape, eps, memory_efficient)
+        return FusedRMSNormAffineFunction.apply(x, w, shape, eps, memory_efficient)
     if w is None:
         return fused_rms_norm(x, shape, eps, memory_efficient)
     return fused_rms_norm_affine(x, w, shape, eps, memory_efficient)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("xshape,shape", SHAPES)
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("memory_efficient", [False, True])
-def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient):
+def test_forward_and_grads_match_torch(dtype, xshape, shape, affine, memory_efficient, route):
     if memory_efficient and dtype in LOW and shape == (1,):
         pytest.skip(ILL_CONDITIONED)
     x = make(xshape, dtype, requires_grad=True)
     w = param(shape, dtype) if affine else None
-    y = run(x, w, shape, 1e-5, memory_efficient)
+    y = run(x, w, shape, 1e-5, memory_efficient, route)
     assert y.dtype == dtype and y.shape == x.shape
     expected = torch_rms_norm(x, shape, w, 1e-5)
     torch.testing.assert_close(y.double(), expected, **tol(dtype))
@@ -87,26 +99,26 @@ def test_module_matches_nn_rmsnorm_and_state_dict():
     torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("route", ROUTES)
+def test_gradcheck_float64(route):
     x = make((3, 2, 5), torch.float64, requires_grad=True)
     w = param((2, 5), torch.float64)
     for mem in (False, True):
         assert torch.autograd.gradcheck(
-            lambda x, w, mem=mem: fused_rms_norm_affine(x, w, (2, 5), 1e-5, mem), (x, w)
+            lambda x, w, mem=mem: run(x, w, (2, 5), 1e-5, mem, route), (x, w)
         )
-    assert torch.autograd.gradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (x,))
+    assert torch.autograd.gradcheck(lambda x: run(x, None, (5,), 1e-5, False, route), (x,))
 
 
-def test_gradgradcheck_float64():
+@pytest.mark.parametrize("route", ROUTES)
+def test_gradgradcheck_float64(route):
     """Double backward (create_graph=True), as torch.nn.RMSNorm has it."""
     x = make((3, 2, 5), torch.float64, requires_grad=True)
     w = param((2, 5), torch.float64)
-    assert torch.autograd.gradgradcheck(
-        lambda x, w: fused_rms_norm_affine(x, w, (2, 5), 1e-5), (x, w)
-    )
-    assert torch.autograd.gradgradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (x,))
+    assert torch.autograd.gradgradcheck(lambda x, w: run(x, w, (2, 5), 1e-5, False, route), (x, w))
+    assert torch.autograd.gradgradcheck(lambda x: run(x, None, (5,), 1e-5, False, route), (x,))
     xt = make((5, 4), torch.float64).t().requires_grad_(True)
-    assert torch.autograd.gradgradcheck(lambda x: fused_rms_norm(x, (5,), 1e-5), (xt,))
+    assert torch.autograd.gradgradcheck(lambda x: run(x, None, (5,), 1e-5, False, route), (xt,))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

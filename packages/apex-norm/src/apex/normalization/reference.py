@@ -203,6 +203,21 @@ def rms_norm_out(input, weight, normalized_shape, eps, out_dtype=None) -> torch.
     return _rms(input, weight, normalized_shape, eps, out_dtype)[0]
 
 
+_F_RMS = getattr(torch.nn.functional, "rms_norm", None)  # torch >= 2.4
+
+
+def rms_norm_eager(input, weight, normalized_shape, eps, out_dtype=None) -> torch.Tensor:
+    """rms_norm_out through torch's ``F.rms_norm`` where torch has it (the eager CPU path: a fused
+    kernel without grad, the same composite math as here with it), on the operands in the
+    statistics' dtype. Not for tracing or ONNX export: the traced graph would hold aten::rms_norm,
+    which older ONNX opsets lack."""
+    if _F_RMS is None:
+        return rms_norm_out(input, weight, normalized_shape, eps, out_dtype)
+    acc = _stat_dtype(input.dtype)
+    w = weight.to(acc) if weight is not None else None
+    return _F_RMS(input.to(acc), list(normalized_shape), w, eps).to(out_dtype or input.dtype)
+
+
 def _rms(input, weight, normalized_shape, eps, out_dtype):
     # In the input's own shape (the sums over its trailing dims, kept), so that the output is a
     # tensor of its own, not a view of a [rows, cols] one.
