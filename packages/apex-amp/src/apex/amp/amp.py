@@ -61,6 +61,23 @@ def _target_dtype(policy: str, args, kwargs):
     return widest_dtype(args, kwargs)
 
 
+def _call_cast(fn, dtype, args, kwargs):
+    """``fn(*args, **kwargs)`` with their floating tensors cast to ``dtype`` (None: as given) and
+    autocast off for amp's device type: what every wrapper below runs once it casts."""
+    if dtype is not None:
+        args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
+    with torch.autocast(_amp_state.device_type or "cpu", enabled=False):
+        return fn(*args, **kwargs)
+
+
+def _tagged(wrapper, fn, policy: str):
+    """``wrapper`` marked as amp's (the original and the policy, which unpatching and a second
+    ``_wrap`` read)."""
+    wrapper._amp_original = fn
+    wrapper._amp_policy = policy
+    return wrapper
+
+
 def _wrap(fn, policy: str):
     if (
         getattr(fn, "_amp_original", None) is not None
@@ -72,16 +89,9 @@ def _wrap(fn, policy: str):
     def wrapper(*args, **kwargs):
         if not _casts_active():
             return fn(*args, **kwargs)
-        dtype = _target_dtype(policy, args, kwargs)
-        if dtype is not None:
-            args = cast_tree(args, dtype)
-            kwargs = cast_tree(kwargs, dtype)
-        with torch.autocast(_amp_state.device_type, enabled=False):
-            return fn(*args, **kwargs)
+        return _call_cast(fn, _target_dtype(policy, args, kwargs), args, kwargs)
 
-    wrapper._amp_original = fn
-    wrapper._amp_policy = policy
-    return wrapper
+    return _tagged(wrapper, fn, policy)
 
 
 def _banned(fn, allow: bool):
@@ -91,13 +101,9 @@ def _banned(fn, allow: bool):
             return fn(*args, **kwargs)
         if not allow:
             raise RuntimeError(BANNED_MESSAGE)
-        args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
-        with torch.autocast(_amp_state.device_type, enabled=False):
-            return fn(*args, **kwargs)
+        return _call_cast(fn, torch.float32, args, kwargs)
 
-    wrapper._amp_original = fn
-    wrapper._amp_policy = "banned"
-    return wrapper
+    return _tagged(wrapper, fn, "banned")
 
 
 # apex's FP32 list for losses: O1 ran them in fp32 wherever they were called (apex patched them
@@ -188,13 +194,9 @@ def _fp32_everywhere(fn):
             return fn(*args, **kwargs)
         if not (_has_low_precision(args) or _has_low_precision(kwargs)):
             return fn(*args, **kwargs)
-        args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
-        with torch.autocast(_amp_state.device_type or "cpu", enabled=False):
-            return fn(*args, **kwargs)
+        return _call_cast(fn, torch.float32, args, kwargs)
 
-    wrapper._amp_original = fn
-    wrapper._amp_policy = "fp32"
-    return wrapper
+    return _tagged(wrapper, fn, "fp32")
 
 
 def _fp32_in_forward(fn):
@@ -211,9 +213,7 @@ def _fp32_in_forward(fn):
             args, kwargs = cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
         return fn(*args, **kwargs)
 
-    wrapper._amp_original = fn
-    wrapper._amp_policy = "fp32"
-    return wrapper
+    return _tagged(wrapper, fn, "fp32")
 
 
 def _register(module, name: str, policy: str) -> None:
