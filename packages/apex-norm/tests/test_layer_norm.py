@@ -439,6 +439,10 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # LayerNorm's rows past 1024 through bwd_ring_wide (2 vectors a thread on up to 1024
         # threads); RMSNorm's ring backward with grad_input's streaming store
         "bwd_wide=3,bwd_hint=2",
+        # bwd_wide's bits one at a time: rows past 4096 (LayerNorm's float32 forward streamed),
+        # rows of 1025-4096 (LayerNorm's longer rows' ring with grad_input streamed)
+        "bwd_wide=1,fwd32_hint=1",
+        "bwd_wide=2,bwd_hint=1",
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
@@ -456,7 +460,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
             import torch.nn.functional as F
             sys.path[:0] = [{str(HERE)!r}]
             from test_layer_norm import backward_against_torch
-            from norm_testing import tol
+            from norm_testing import grad_tol, tol
             torch.manual_seed(0)
             for norm, H, dtype in {cases!r}:
                 backward_against_torch(norm, H, 1031, getattr(torch, dtype), "cuda")
@@ -489,6 +493,29 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                 torch.cuda.synchronize()
             for name in sorted({{e.name for e in prof.events() if "fwd_" in e.name or "bwd_" in e.name}}):
                 print("kernel", name)
+            # LayerNorm's 16-bit backwards one at a time (weight and bias; bias alone): whether
+            # each took bwd_ring_wide, and each right.
+            optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+            for H in (1024, 2048, 4096, 8192, 12288, 16384):
+                for dtype in (torch.bfloat16, torch.float16):
+                    with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CUDA]
+                    ) as one:
+                        backward_against_torch("layer", H, 257, dtype, "cuda")
+                        x = torch.randn(257, H, device="cuda", dtype=dtype, requires_grad=True)
+                        b = torch.randn(H, device="cuda", dtype=dtype, requires_grad=True)
+                        y = fused_layer_norm_affine(x, None, b, (H,), 1e-5)
+                        xd, bd = (t.detach().double().requires_grad_(True) for t in (x, b))
+                        want = F.layer_norm(xd, (H,), None, None, 1e-5) + bd
+                        torch.testing.assert_close(y.double(), want, **tol(dtype))
+                        dy = torch.randn_like(y)
+                        got = torch.autograd.grad(y, [x, b], dy)
+                        exp = torch.autograd.grad(want, [xd, bd], dy.double())
+                        torch.testing.assert_close(got[0].double(), exp[0], **tol(dtype, torch.float16))
+                        torch.testing.assert_close(got[1].double(), exp[1], **grad_tol(H, dtype))
+                        torch.cuda.synchronize()
+                    wide = sum("bwd_ring_wide<" in e.name for e in one.events())
+                    print("layer-bwd", H, str(dtype).removeprefix("torch."), wide, optin)
             """
         )
     )
@@ -538,9 +565,59 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
             expect = on if bits & bit else tuple("false" if v == "true" else "0" for v in on)
             # (No ring runs where the shared memory is capped below it: smem_kb=99.)
             assert seen <= {expect} and (seen or not bits & bit), (knob, rms, seen, kernels)
-    # bwd_wide: LayerNorm's bfloat16 backwards (H = 2048-12288) took bwd_ring_wide, and only then.
-    wide = any("bwd_ring_wide<" in k for k in kernels)
-    assert wide == (int(knobs.get("bwd_wide", 0)) > 0), kernels
+    # bwd_wide: each LayerNorm 16-bit backward (with weight and bias, and with a bias alone: two
+    # launches) took bwd_ring_wide where its bit covers the row (bit 1 H > 4096, bit 2 H of
+    # 1025-4096) and the two-stage ring fits a block's shared memory (up to 104 KB at H=8192, 208
+    # KB at 16384: sm_90's 227 KB holds every H here), and never elsewhere (nor in RMSNorm's).
+    bits = int(knobs.get("bwd_wide", 0))
+    capped = "smem_kb" in knobs
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("layer-bwd ")]
+    assert len(lines) == 12, done.stdout
+    for _, H, dtype, wide, optin in lines:
+        H, wide, optin = int(H), int(wide), int(optin)
+        covered = (bits & 1 and H > 4096) or (bits & 2 and 1024 < H <= 4096)
+        # H / 16 threads; two stages of x and dy at 2 vectors a thread (8 H bytes), the stages'
+        # row statistics (H) and 16 float bias sums a thread (4 H), and 2 KB of static slots.
+        fits = 13 * H + 2048 <= optin
+        if covered and not capped and fits:
+            assert wide == 2, (H, dtype, wide, tune)
+        elif not covered:
+            assert wide == 0, (H, dtype, wide, tune)
+
+
+@pytest.mark.cuda
+def test_cuda_tuning_knobs_warn_about_what_they_do_not_take(tmp_path):
+    """APEX_NORM_TUNE: an unknown knob, a value that is not an integer, and one outside a knob's
+    range (a bit mask's 4) each warn once, naming the knob, and the norms still compute."""
+    script = tmp_path / "warned.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, warnings, torch
+            sys.path[:0] = [{str(HERE)!r}]
+            from test_layer_norm import backward_against_torch
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                backward_against_torch("layer", 4096, 33, torch.bfloat16, "cuda")
+                backward_against_torch("rms", 1024, 33, torch.float32, "cuda")
+            for w in seen:
+                print("warned", str(w.message).splitlines()[0])
+            """
+        )
+    )
+    env = {**os.environ, "APEX_NORM_TUNE": "bogus=1,bwd_ring=two,fwd32_hint=4,bwd_hint=-1"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    warned = [line for line in done.stdout.splitlines() if line.startswith("warned ")]
+    for expected in (
+        "unknown knob 'bogus' ignored",
+        "bwd_ring='two' is not an integer: ignored",
+        "fwd32_hint=4 is outside 0..3: 3",
+        "bwd_hint=-1 is outside 0..3: 0",
+    ):
+        assert sum(expected in line for line in warned) == 1, (expected, warned)
 
 
 @pytest.mark.cuda

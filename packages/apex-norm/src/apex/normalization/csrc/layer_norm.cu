@@ -1336,6 +1336,8 @@ Config pick(int64_t H, bool aligned, int max_nv, int per_thread, int min_tx, int
     while (int64_t(tx) * nv < nvec) nv *= 2;
     if (nv <= max_nv) return {tx, std::max(1, 256 / tx), nv};
   }
+  // The scalar kernels' shape (nv 0): rows of up to kMaxTX threads whatever max_tx (which widens
+  // vector rows only: bwd_ring_wide's).
   int tx = 32;
   while (tx < kMaxTX && int64_t(tx) * 4 < H) tx *= 2;
   return {tx, std::max(1, 256 / tx), 0};
@@ -1475,7 +1477,7 @@ struct Tune {
   int bwd_wide = 0;
 };
 
-// APEX_NORM_TUNE's knobs: name, field, least value (a larger one clamps at `most`).
+// APEX_NORM_TUNE's knobs: name, field, least and most value (another clamps to them, said once).
 struct Knob {
   const char* name;
   int Tune::*field;
@@ -1517,7 +1519,21 @@ const Tune& tune() {
         if (knob == std::end(kKnobs)) {
           TORCH_WARN("APEX_NORM_TUNE: unknown knob '", key, "' ignored");
         } else {
-          v.*(knob->field) = std::clamp(std::atoi(item.c_str() + eq + 1), knob->least, knob->most);
+          const char* text = item.c_str() + eq + 1;
+          char* rest = nullptr;
+          const long given = std::strtol(text, &rest, 10);
+          if (rest == text || *rest != '\0') {
+            TORCH_WARN("APEX_NORM_TUNE: ", key, "='", text, "' is not an integer: ignored");
+          } else {
+            const int value = int(std::clamp<long>(given, knob->least, knob->most));
+            if (value != given) {
+              // The bit masks (fwd32_hint, bwd_hint, bwd_wide: 0-3) would otherwise turn a 4
+              // into 3, both norms on.
+              TORCH_WARN("APEX_NORM_TUNE: ", key, "=", given, " is outside ", knob->least, "..",
+                         knob->most, ": ", value);
+            }
+            v.*(knob->field) = value;
+          }
         }
       }
       pos = end + 1;
