@@ -377,12 +377,18 @@ def test_cuda_many_rows(H, rows, dtype, memory_efficient):
         torch.testing.assert_close(g.double(), e, **grad_tol(H, dtype))
 
 
-def backward_against_torch(norm, H, rows, dtype, device):
-    """Fused forward+backward of one norm (LayerNorm with weight and bias, or RMSNorm with a
-    weight) against torch in float64: every gradient, the test_cuda_many_rows tolerances."""
+def backward_against_torch(norm, H, rows, dtype, device, bias_only=False):
+    """Fused forward+backward of one norm (LayerNorm with weight and bias, or with a bias alone;
+    RMSNorm with a weight) against torch in float64: every gradient, the test_cuda_many_rows
+    tolerances."""
     x = make((rows, H), dtype, device, requires_grad=True, scale=2.0, shift=0.5)
     w, b = param((H,), dtype, device), param((H,), dtype, device)
-    if norm == "rms":
+    if bias_only:
+        inputs = [x, b]
+        y = run(x, None, b, (H,), 1e-5, False)
+        xd, bd = (t.detach().double().requires_grad_(True) for t in inputs)
+        expected, exp_inputs = torch_layer_norm(xd, (H,), None, bd, 1e-5), [xd, bd]
+    elif norm == "rms":
         from apex.normalization.fused_layer_norm import fused_rms_norm_affine
 
         inputs = [x, w]
@@ -460,7 +466,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
             import torch.nn.functional as F
             sys.path[:0] = [{str(HERE)!r}]
             from test_layer_norm import backward_against_torch
-            from norm_testing import grad_tol, tol
+            from norm_testing import tol
             torch.manual_seed(0)
             for norm, H, dtype in {cases!r}:
                 backward_against_torch(norm, H, 1031, getattr(torch, dtype), "cuda")
@@ -502,17 +508,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                         activities=[torch.profiler.ProfilerActivity.CUDA]
                     ) as one:
                         backward_against_torch("layer", H, 257, dtype, "cuda")
-                        x = torch.randn(257, H, device="cuda", dtype=dtype, requires_grad=True)
-                        b = torch.randn(H, device="cuda", dtype=dtype, requires_grad=True)
-                        y = fused_layer_norm_affine(x, None, b, (H,), 1e-5)
-                        xd, bd = (t.detach().double().requires_grad_(True) for t in (x, b))
-                        want = F.layer_norm(xd, (H,), None, None, 1e-5) + bd
-                        torch.testing.assert_close(y.double(), want, **tol(dtype))
-                        dy = torch.randn_like(y)
-                        got = torch.autograd.grad(y, [x, b], dy)
-                        exp = torch.autograd.grad(want, [xd, bd], dy.double())
-                        torch.testing.assert_close(got[0].double(), exp[0], **tol(dtype, torch.float16))
-                        torch.testing.assert_close(got[1].double(), exp[1], **grad_tol(H, dtype))
+                        backward_against_torch("layer", H, 257, dtype, "cuda", bias_only=True)
                         torch.cuda.synchronize()
                     wide = sum("bwd_ring_wide<" in e.name for e in one.events())
                     print("layer-bwd", H, str(dtype).removeprefix("torch."), wide, optin)
