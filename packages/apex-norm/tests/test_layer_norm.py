@@ -246,7 +246,7 @@ def test_weight_and_bias_of_different_dtypes(device="cpu"):
     y = fused_layer_norm_affine(x, w, b, (32,), 1e-5)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(
-        y.double(), torch_layer_norm(x, (32,), w, b.bfloat16(), 1e-5), **tol(torch.bfloat16)
+        y.double(), torch_layer_norm(x, (32,), w, b, 1e-5), **tol(torch.bfloat16)
     )
     gx, gw, gb = torch.autograd.grad(y.float().sum(), [x, w, b])
     assert (gx.dtype, gw.dtype, gb.dtype) == (torch.float32, torch.bfloat16, torch.float32)

@@ -745,14 +745,29 @@ def test_cuda_eager_path_refuses_double_backward_through_memory_efficient():
             torch.autograd.grad(y.sum(), [x], create_graph=True)
 
 
+def _saved_bytes(f, *args):
+    """(f(*args), the bytes autograd saved for its backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = f(*args)
+    return y, sum(saved)
+
+
 @pytest.mark.parametrize("no_f_rms_norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_eager_path_is_torchs_norms_and_memory_efficient_keeps_the_function(
+def test_cpu_eager_path_takes_torchs_norms_where_that_keeps_no_more(
     monkeypatch, dtype, no_f_rms_norm
 ):
     """On the CPU the functional forms (and so the modules) run torch's own norms through the
-    plain math, differentiated by torch's autograd: no autograd Function (grad_fn torch's), the
-    Function's results and dtypes. memory_efficient keeps the Function. ``no_f_rms_norm``: a torch without F.rms_norm (2.3) takes the plain RMSNorm math."""
+    plain math where that saves no more for backward than the autograd Function: every call
+    that records nothing, and LayerNorm recording with float32 input. Elsewhere (16-bit input,
+    RMSNorm recording, memory_efficient) the Function. Either way the Function's results and
+    dtypes, and no more saved bytes. ``no_f_rms_norm``: a torch without F.rms_norm (2.3)."""
     if no_f_rms_norm:
         monkeypatch.setattr(reference, "_F_RMS", None)
     H = 48
@@ -760,14 +775,16 @@ def test_cpu_eager_path_is_torchs_norms_and_memory_efficient_keeps_the_function(
     w, b = param((H,), torch.float32), param((H,), torch.float32)  # mixed: out in x's dtype
     dy = torch.randn(6, H, dtype=dtype)
     cases = [
-        (fln.fused_layer_norm_affine, fln.FusedLayerNormAffineFunction, (w, b)),
-        (fln.fused_rms_norm_affine, fln.FusedRMSNormAffineFunction, (w,)),
+        (fln.fused_layer_norm_affine, fln.FusedLayerNormAffineFunction, (w, b), False),
+        (fln.fused_rms_norm_affine, fln.FusedRMSNormAffineFunction, (w,), True),
     ]
-    for form, function, params in cases:
-        y = form(x, *params, (H,), 1e-5)
-        assert "Function" not in y.grad_fn.name(), y.grad_fn.name()
-        y_fn = function.apply(x, *params, torch.Size([H]), 1e-5, False)
+    for form, function, params, rms in cases:
+        y, form_bytes = _saved_bytes(form, x, *params, (H,), 1e-5)
+        y_fn, fn_bytes = _saved_bytes(function.apply, x, *params, torch.Size([H]), 1e-5, False)
         assert "Function" in y_fn.grad_fn.name()
+        plain = not rms and dtype == torch.float32
+        assert ("Function" not in y.grad_fn.name()) == plain, (form, dtype, y.grad_fn.name())
+        assert form_bytes <= fn_bytes, (form, dtype, form_bytes, fn_bytes)
         assert y.dtype == y_fn.dtype == dtype
         torch.testing.assert_close(y, y_fn, **tol(dtype))
         ins = [x, *params]
@@ -777,6 +794,49 @@ def test_cpu_eager_path_is_torchs_norms_and_memory_efficient_keeps_the_function(
         y_me = form(x, *params, (H,), 1e-5, True)
         assert "Function" in y_me.grad_fn.name(), y_me.grad_fn.name()
         torch.testing.assert_close(y_me, y_fn, **tol(dtype))
+        # Recording nothing, the plain math whatever the norm and dtype: the Function not called.
+        with monkeypatch.context() as m:
+            m.setattr(function, "apply", None)
+            with torch.no_grad():
+                y_off = form(x, *params, (H,), 1e-5)
+            y_const = form(x.detach(), *(p.detach() for p in params), (H,), 1e-5)
+        for got in (y_off, y_const):
+            assert got.grad_fn is None and got.dtype == dtype
+            torch.testing.assert_close(got, y_fn.detach(), **tol(dtype))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("route", ["functional", "memory_efficient", "Function"])
+def test_bias_of_another_dtype_than_the_weight_keeps_its_own_precision(device, route):
+    """A bias whose dtype is not the weight's is not rounded to the weight's dtype, in the forward
+    or in its gradient, on every route (README: any combination, arithmetic in float32, float64
+    for float64 input; gradients in the dtype of their tensor). The Functions (and so
+    memory_efficient) rounded the bias and its gradient through the weight's dtype once: a
+    float32 bias's gradient past 65504 became inf with a float16 weight, and a float64 bias was
+    rounded to bfloat16 with a bfloat16 weight."""
+    H = 8
+
+    def run(x, w, b):
+        if route == "Function":
+            return fln.FusedLayerNormAffineFunction.apply(x, w, b, torch.Size([H]), 1e-5, False)
+        return fln.fused_layer_norm_affine(x, w, b, (H,), 1e-5, route == "memory_efficient")
+
+    # float32 input, float16 weight (output float16), float32 bias: its gradient sums 2 rows of
+    # 40000, 80000, past float16's range but a float32 value.
+    x = make((2, H), torch.float32, device, requires_grad=True)
+    w, b = param((H,), torch.float16, device), param((H,), torch.float32, device)
+    y = run(x, w, b)
+    assert y.dtype == torch.float16
+    (gb,) = torch.autograd.grad(y, [b], torch.full_like(y, 40000.0))
+    assert gb.dtype == torch.float32
+    torch.testing.assert_close(gb, torch.full_like(gb, 80000.0))
+    # float64 input, bfloat16 weight, float64 bias: float64 arithmetic, the bias as given.
+    x = make((4, H), torch.float64, device, requires_grad=True)
+    w = param((H,), torch.bfloat16, device)
+    b = (param((H,), torch.float64, device) / 3).detach().requires_grad_(True)
+    y = run(x, w, b)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, F.layer_norm(x, (H,), w.double(), b, 1e-5), **tol(torch.float64))
 
 
 @pytest.mark.cuda

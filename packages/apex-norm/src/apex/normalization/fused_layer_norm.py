@@ -3,7 +3,8 @@
 Signatures and defaults are apex's (note: functional eps defaults to 1e-6, modules' to 1e-5).
 Every form runs the ``apex_norm`` ops (ops.py): the CUDA kernels on a GPU, the plain-torch
 reference elsewhere, so the same code runs on CPU, under ``torch.compile(fullgraph=True)`` and in
-CUDA graphs; eager CPU calls without memory_efficient take torch's own norms (the plain math).
+CUDA graphs; eager CPU calls take torch's own norms where that keeps no more for backward (the
+plain math: see _eager_cpu).
 
 dtypes (``ops.output_dtype``): any combination of input and weight dtypes among float32, float16,
 bfloat16 and float64 is accepted and computed in float32 (float64 for float64 input). The output
@@ -336,21 +337,31 @@ def _eager_cuda(input, *params) -> bool:
 
 # -- the eager CPU path --------------------------------------------------------------------------
 # On the CPU, eager and without memory_efficient, the functional forms take the plain-torch math
-# as well: torch's own norms on the operands in the statistics' dtype (reference.layer_norm_out,
-# rms_norm_eager), differentiated by torch's autograd, as apex's CPU path was (F.layer_norm,
-# manual_rms_norm). Same results and dtypes as the autograd Functions, which there ran the same
-# torch ops behind a Python autograd.Function and the op's dispatch (a [4, 1024] float32 forward
-# of the LayerNorm / RMSNorm module: 65 / 89 us that way, 24 / 36 this way, torch's 7 / 16, on the
-# 2-core CI machine). memory_efficient keeps the Functions (they save the output, not the input), as do
-# tensor subclasses and torch.compile (which traces the ops).
+# where it costs no memory: torch's own norms on the operands in the statistics' dtype
+# (reference.layer_norm_out, rms_norm_eager), differentiated by torch's autograd, as apex's CPU
+# path was (F.layer_norm, manual_rms_norm), rather than an autograd Function over the ops (same
+# results and dtypes; a [4, 1024] float32 LayerNorm module's forward 24 us against 65, torch's 7,
+# on the 2-core CI machine). That is every call that records nothing for backward, and
+# LayerNorm's with float32 or float64 input, whose backward then keeps what the Function keeps.
+# Recording otherwise, the plain math would keep more for backward than the Functions: a float32
+# copy of 16-bit input (twice its bytes), RMSNorm's composite autograd its intermediates (2-4x).
+# memory_efficient keeps the Functions (they save the output, not the input), as do tensor
+# subclasses and torch.compile (which traces the ops).
+
+_WIDE = (torch.float32, torch.float64)
 
 
-def _eager_cpu(input, memory_efficient, *params) -> bool:
+def _eager_cpu(input, memory_efficient, rms, *params) -> bool:
     if memory_efficient or type(input) is not torch.Tensor or input.device.type != "cpu":
         return False
+    records = input.requires_grad
     for p in params:
-        if p is not None and type(p) not in _PLAIN:
-            return False
+        if p is not None:
+            if type(p) not in _PLAIN:
+                return False
+            records = records or p.requires_grad
+    if records and torch.is_grad_enabled() and (rms or input.dtype not in _WIDE):
+        return False
     return not torch.compiler.is_compiling()
 
 
@@ -366,7 +377,7 @@ def _layer_norm(input, weight, bias, normalized_shape, eps, memory_efficient, mi
         return torch.ops.apex_norm.layer_norm_fwd.default(
             input, weight, bias, shape, eps, memory_efficient, out_dtype
         )[0]
-    if _plain_math() or _eager_cpu(input, memory_efficient, weight, bias):
+    if _plain_math() or _eager_cpu(input, memory_efficient, False, weight, bias):
         return _plain_ln(input, weight, bias, normalized_shape, eps, mixed)
     return fn.apply(*args)
 
@@ -380,7 +391,7 @@ def _rms_norm(input, weight, normalized_shape, eps, memory_efficient, mixed, fn,
         )[0]
     if _plain_math():
         return _plain_rms(input, weight, normalized_shape, eps, mixed)
-    if _eager_cpu(input, memory_efficient, weight):
+    if _eager_cpu(input, memory_efficient, True, weight):
         shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
         return reference.rms_norm_eager(input, weight, shape, eps, out_dtype)
     return fn.apply(*args)

@@ -472,11 +472,20 @@ def _ops(t: torch.Tensor, *others, dtype=None):
     return torch.ops.apex_norm
 
 
+def _one_dtype(weight, bias):
+    """weight and bias in one dtype, as the kernels read them: the wider of the two (a bias
+    rounded to a 16-bit weight's dtype would lose its own precision, and its gradient could
+    overflow there)."""
+    if weight is not None and bias is not None and bias.dtype != weight.dtype:
+        common = torch.promote_types(weight.dtype, bias.dtype)
+        return weight.to(common), bias.to(common)
+    return weight, bias
+
+
 def layer_norm_fwd(
     input, weight, bias, normalized_shape, eps, memory_efficient=False, out_dtype=None
 ):
-    if weight is not None and bias is not None and bias.dtype != weight.dtype:
-        bias = bias.to(weight.dtype)  # the kernels read weight and bias in one dtype
+    weight, bias = _one_dtype(weight, bias)
     return _ops(input, weight, bias, dtype=out_dtype).layer_norm_fwd(
         input, weight, bias, normalized_shape, eps, memory_efficient, out_dtype
     )
@@ -494,9 +503,8 @@ def layer_norm_bwd(
     memory_efficient=False,
     grad_input_dtype=None,
 ):
-    bias_dtype = bias.dtype if bias is not None else None
-    if weight is not None and bias is not None and bias.dtype != weight.dtype:
-        bias = bias.to(weight.dtype)
+    own = [t.dtype if t is not None else None for t in (weight, bias)]
+    weight, bias = _one_dtype(weight, bias)
     gi, gw, gb = _ops(
         input_or_output, grad_output, weight, bias, dtype=grad_input_dtype
     ).layer_norm_bwd(
@@ -511,8 +519,8 @@ def layer_norm_bwd(
         memory_efficient,
         grad_input_dtype,
     )
-    if bias_dtype is not None and gb.dtype != bias_dtype:
-        gb = gb.to(bias_dtype)
+    # Each gradient in its own tensor's dtype.
+    gw, gb = (g if d is None or g.dtype == d else g.to(d) for g, d in zip((gw, gb), own))
     return gi, gw, gb
 
 
