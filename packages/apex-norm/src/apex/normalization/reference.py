@@ -215,7 +215,8 @@ def rms_norm_eager(input, weight, normalized_shape, eps, out_dtype=None) -> torc
         return rms_norm_out(input, weight, normalized_shape, eps, out_dtype)
     acc = _stat_dtype(input.dtype)
     w = weight.to(acc) if weight is not None else None
-    return _F_RMS(input.to(acc), list(normalized_shape), w, eps).to(out_dtype or input.dtype)
+    # float(eps): F.rms_norm would take None (its own default), which no other route takes.
+    return _F_RMS(input.to(acc), list(normalized_shape), w, float(eps)).to(out_dtype or input.dtype)
 
 
 def _rms(input, weight, normalized_shape, eps, out_dtype):
