@@ -127,23 +127,34 @@ def test_floor_message_names_the_likely_cause(caplog):
     assert "floor min_loss_scale" in caplog.text
 
 
-def test_hysteresis_backs_off_after_consecutive_overflows():
+def test_hysteresis_backs_off_after_consecutive_overflows(caplog):
+    """The scale backs off from the ``hysteresis``-th overflowing step in a row on; the message
+    of an overflow that only spends hysteresis says the scale is kept; the saved count of
+    overflows left never goes below 0."""
     model, opt = init("O1", hysteresis=2)
     bad = {"on": False}
     next(model.parameters()).register_hook(lambda g: torch.full_like(g, INF) if bad["on"] else g)
     scaler = amp._amp_state.loss_scalers[0]
-    scales = []
-    for on in [True, False, True, True, True, False]:
-        bad["on"] = on
-        x, y = batches(1)[0]
-        with amp.scale_loss(loss_fn(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-        scales.append(scaler.loss_scale())
+    scaler._message_interval = 0.0  # every overflow's message
+    scales, left = [], []
+    with caplog.at_level(logging.WARNING, logger="apex.amp"):
+        for on in [True, False, True, True, True, False]:
+            bad["on"] = on
+            x, y = batches(1)[0]
+            with amp.scale_loss(loss_fn(model(x), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            scales.append(scaler.loss_scale())
+            left.append(amp.state_dict()["loss_scaler0"]["hysteresis_left"])
     s = 2.0**16
     assert scales == [s, s, s, s / 2, s / 4, s / 4]
-    assert amp.state_dict()["loss_scaler0"]["hysteresis_left"] == 2
+    assert left == [1, 2, 1, 0, 0, 2]
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert len(messages) == 4, messages
+    for message, kept in zip(messages, [True, True, False, False]):
+        assert ("keeping loss scale at 65536.0" in message) == kept, message
+        assert ("reducing loss scale" in message) != kept, message
 
 
 def test_scale_grows_after_scale_window_clean_steps_up_to_max():

@@ -203,8 +203,9 @@ class LossScaler:
             return False
         self.overflows += 1
         self._unskipped = 0
-        self._hysteresis_left -= 1
-        if self._hysteresis_left <= 0:
+        # Held at 0 once spent: every further overflow in the row backs off, as before it.
+        self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+        if self._hysteresis_left == 0:
             self._loss_scale = max(self._min_loss_scale, self._loss_scale / self._scale_factor)
         return True
 
@@ -222,13 +223,23 @@ class LossScaler:
             if self._loss_scale <= self._min_loss_scale
             else ""
         )
-        logger.warning(
-            "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s%s.%s",
-            loss_id,
-            self._loss_scale,
-            tail,
-            at_floor,
-        )
+        if self._hysteresis_left > 0:  # this overflow spent hysteresis, not scale
+            logger.warning(
+                "Gradient overflow.  Skipping step, loss scaler %d keeping loss scale at %s "
+                "(hysteresis: it backs off after %d more overflowing step(s) in a row)%s.",
+                loss_id,
+                self._loss_scale,
+                self._hysteresis_left,
+                tail,
+            )
+        else:
+            logger.warning(
+                "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s%s.%s",
+                loss_id,
+                self._loss_scale,
+                tail,
+                at_floor,
+            )
         self._last_message = now
         self._overflows_unreported = 0
 
