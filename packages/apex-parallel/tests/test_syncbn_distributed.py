@@ -17,6 +17,7 @@ CASES = {
     "2d_even": ([3, 3, 3], (4, 5), {}),
     "2d_uneven": ([1, 4, 2], (3, 3), {}),
     "2d_empty_rank": ([0, 3, 2], (3, 2), {}),
+    "one_value_a_rank": ([1, 1, 0], (), {}),  # two values a channel over the group, one here
     "1d_nc": ([4, 3, 5], (), {}),
     "1d_ncl": ([2, 3, 1], (7,), {}),
     "3d": ([2, 1, 2], (2, 3, 2), {}),
@@ -222,6 +223,24 @@ def _worker(rank, world):
         results["python_function"] = f"rank {rank}: {type(e).__name__}: {e}"
     dist.barrier()
 
+    # One value per channel over the whole group (one rank's single row, the others empty):
+    # every rank refuses it, as torch's BatchNorm does in one process, before the running
+    # variance takes its 0/0.
+    try:
+        bn = P.SyncBatchNorm(C)
+        try:
+            bn(torch.randn(1 if rank == 0 else 0, C))
+        except ValueError as e:
+            assert "more than 1 value per channel" in str(e), str(e)
+            assert f"got 1 over the process group's {world} ranks" in str(e), str(e)
+        else:
+            raise AssertionError("one value a channel over the group was accepted")
+        assert torch.equal(bn.running_var, torch.ones(C)), bn.running_var
+        results["one_value_in_group"] = None
+    except Exception as e:
+        results["one_value_in_group"] = f"rank {rank}: {type(e).__name__}: {e}"
+    dist.barrier()
+
     # Bad groups: one that leaves this rank out, and a size that does not divide the world.
     try:
         other = dist.new_group([r for r in range(world) if r != 0])
@@ -258,7 +277,9 @@ def _results(world):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", [*CASES, "subgroup", "python_function", "bad_groups"])
+@pytest.mark.parametrize(
+    "case", [*CASES, "subgroup", "python_function", "one_value_in_group", "bad_groups"]
+)
 def test_syncbn_matches_batchnorm_on_the_whole_batch(world, case):
     errors = [r[case] for r in _results(world) if r[case] is not None]
     assert not errors, "\n".join(errors)
