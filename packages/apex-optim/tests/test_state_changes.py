@@ -226,6 +226,39 @@ def test_bad_grad_after_cached_steps_changes_nothing(name):
     assert [str(g.get("step")) for g in opt.param_groups] == steps
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_param_cast_after_steps_is_refused_or_taken_before_any_group_steps(name):
+    """A param cast after it was added (p.data =, module.double()): to a dtype the optimizer
+    does not take, the step refuses it naming the group, before any group's kernel or step
+    count (every cached plan noticed the cast); to one it takes, the step goes on in it
+    (NovoGrad, whose per-param norms are kept by dtype bucket, refuses that by name)."""
+    ps = params()
+    opt = make(name, [{"params": ps[:2]}, {"params": ps[2:]}])
+    run_synthetic(opt, ps, steps=2)
+    before = [p.detach().clone() for p in ps]
+    state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    steps = [str(g.get("step")) for g in opt.param_groups]
+    ps[2].data = ps[2].data.double()
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    with pytest.raises(TypeError, match=r"param group 1: parameter 0 has dtype torch.float64"):
+        opt.step()
+    assert all(torch.equal(p.double(), b.double()) for p, b in zip(ps, before))
+    for p, saved in zip(ps, state):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    assert [str(g.get("step")) for g in opt.param_groups] == steps
+    ps[2].data = ps[2].data.bfloat16()
+    ps[2].grad = torch.randn_like(ps[2])
+    cast = ps[2].detach().clone()
+    if name == "FusedNovoGrad":
+        with pytest.raises(RuntimeError, match="param group 1: .* grad norms"):
+            opt.step()
+        return
+    opt.step()
+    assert ps[2].dtype == torch.bfloat16 and torch.isfinite(ps[2].float()).all()
+    assert not torch.equal(ps[2], cast)
+
+
 # ---- hooks, GradScaler, lr -----------------------------------------------------------------------
 
 

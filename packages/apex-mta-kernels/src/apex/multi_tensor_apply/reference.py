@@ -968,6 +968,9 @@ class LambPlan:
         if self._copies and len(self._copies) != n:
             raise ValueError(f"LambPlan: copies has {len(self._copies)} tensors; expected 0 or {n}")
         self._grads: list[torch.Tensor] | None = None
+        # Each param's dtype when the plan was built: a fetch refuses a param cast since (p.data
+        # =, module.double()), as the C++ plan's (grad_plan.h).
+        self._dtypes = [p.dtype for p in self._params]
 
     def __len__(self) -> int:
         return len(self._params)
@@ -975,12 +978,18 @@ class LambPlan:
     def fetch(self) -> bool:
         """Every param's grad, held until the step ends; False (nothing held) when one is
         missing, not strided, of other sizes than its param, not dense, or in no memory format
-        of its param's (the C++ plan's per-step test: the caller's general path then checks
-        every grad before any launch)."""
+        of its param's, or when a param was cast since the plan was built (the C++ plan's
+        per-step test: the caller's general path then checks every grad before any launch)."""
         grads = []
-        for p in self._params:
+        for p, dtype in zip(self._params, self._dtypes):
             g = p.grad
-            if g is None or g.layout != torch.strided or g.shape != p.shape or not _grad_fits(g, p):
+            if (
+                g is None
+                or p.dtype != dtype
+                or g.layout != torch.strided
+                or g.shape != p.shape
+                or not _grad_fits(g, p)
+            ):
                 self._grads = None
                 return False
             grads.append(g)

@@ -70,6 +70,9 @@ def _contiguous(tensors: list) -> bool:
         return False
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _weights_mark(p: torch.Tensor) -> tuple[int, int]:
     """What changes when p's values are written in place (its version) or replaced (``p.data =``,
     ``module.to(...)``: its storage)."""
@@ -160,7 +163,7 @@ class Plan:
 
     __slots__ = (
         "params_list", "params", "live", "dead", "buckets", "keys", "device", "scratch", "native",
-        "strides", "shaped", "shaped_strides",
+        "strides", "dtypes", "shaped", "shaped_strides",
     )  # fmt: skip
 
     def matches(self, params: list, keys: tuple) -> bool:
@@ -473,7 +476,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             same = _contiguous(grads)
         else:
             same = _strides(grads) == plan.strides
-        if not same or any(p.grad is not None for p in plan.dead):
+        # A grad of another dtype than the plan's: its param was cast since (module.half(),
+        # .double(), p.data =); the rebuilt plan's check refuses or takes the new dtype.
+        if not same or list(map(_DTYPE, grads)) != plan.dtypes:
+            return None
+        if any(p.grad is not None for p in plan.dead):
             return None
         return (plan, grads) if grads else (None, None)
 
@@ -497,6 +504,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{where}: parameter {i} has a sparse gradient; {self._name} does not support "
                     f"sparse gradients{self._sparse_hint}"
+                )
+            # The group's params were checked when added; one cast since (module.double(),
+            # p.data =) is refused here, before any group steps.
+            if p.dtype not in self._param_dtypes():
+                raise TypeError(
+                    f"{where}: parameter {i} has dtype {p.dtype} (cast after it was added to the "
+                    f"optimizer); {self._name} supports {dtype_names(self._param_dtypes())}"
+                )
+            if g.dtype != p.dtype:
+                raise TypeError(
+                    f"{where}: the grad of parameter {i} has dtype {g.dtype} but the parameter "
+                    f"has {p.dtype}; a grad must have its parameter's dtype"
                 )
             for what, t in (("parameter", p), ("grad", g)):
                 if not _layouts(t):
@@ -582,6 +601,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # What the next steps' grads are compared with: that each is contiguous (the usual
         # case, and the cheapest test), else their strides.
         plan.strides = None if _contiguous(grads) else _strides(grads)
+        plan.dtypes = list(map(_DTYPE, grads))
         for b in plan.buckets:
             b.native = self._native_plan(group, b)
         plan.native = bool(plan.buckets) and all(b.native is not None for b in plan.buckets)

@@ -5,7 +5,8 @@
 // launches on the dtype groups found at the last full validation. Every step, each grad must be
 // strided, of its param's sizes, dense, and share a memory format with its param (as the ops'
 // checks ask); once validated, the params must also be as validated (dtype, sizes, strides) and
-// the grads of the dtypes and device seen then. Anything else (a param without a grad, a sparse
+// the grads of the dtypes and device seen then; a param's dtype is its dtype at the plan's
+// construction even before that. Anything else (a param without a grad, a sparse
 // or strided grad, a param changed through .data) makes fetch return false, holding nothing: the
 // caller takes the general path, which checks every bucket's grads before any launches and says
 // what is wrong. The full checks of the ops run at the launch of a plan's first step (and of the
@@ -23,7 +24,10 @@ namespace apex_mta {
 
 class GradPlan : public torch::CustomClassHolder {
  public:
-  explicit GradPlan(std::vector<at::Tensor> params) : params_(std::move(params)) {}
+  explicit GradPlan(std::vector<at::Tensor> params) : params_(std::move(params)) {
+    built_.reserve(params_.size());
+    for (const at::Tensor& p : params_) built_.push_back(p.scalar_type());
+  }
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
 
@@ -36,7 +40,10 @@ class GradPlan : public torch::CustomClassHolder {
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& p = params_[i];
       const at::Tensor& g = p.grad();
-      bool ok = g.defined() && g.layout() == at::kStrided && g.sizes().equals(p.sizes());
+      // A param cast since the plan was built (p.data =, module.double()) before any validation
+      // too: its bucket is another one now.
+      bool ok = g.defined() && p.scalar_type() == built_[i] && g.layout() == at::kStrided &&
+                g.sizes().equals(p.sizes());
       if (ok) {
         const int lay = layouts(g);
         ok = lay != 0 && (g.numel() <= 1 || (lay & layouts(p)) != 0);
@@ -105,6 +112,7 @@ class GradPlan : public torch::CustomClassHolder {
   std::vector<std::pair<std::vector<at::ScalarType>, std::vector<int64_t>>> groups_;
 
  private:
+  std::vector<at::ScalarType> built_;  // each param's dtype when the plan was built
   std::vector<at::ScalarType> gdt_, pdt_;
   std::vector<std::vector<int64_t>> sizes_, strides_;  // each param's, as validated
   at::Device device_{at::kCPU};
