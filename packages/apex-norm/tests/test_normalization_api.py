@@ -805,6 +805,31 @@ def test_cpu_eager_path_takes_torchs_norms_where_that_keeps_no_more(
             torch.testing.assert_close(got, y_fn.detach(), **tol(dtype))
 
 
+def test_cpu_eager_path_gives_contiguous_outputs_and_keeps_mixed_params_on_the_function():
+    """The eager CPU route's outputs are contiguous for a strided input (channels_last, a
+    transpose), as every other route's; recording with parameters of another dtype than the
+    input keeps the Function (the plain math would keep their cast copies)."""
+    x = make((2, 16, 4, 4), torch.float32).contiguous(memory_format=torch.channels_last)
+    w, b = param((4, 4), torch.float32), param((4, 4), torch.float32)
+    with torch.no_grad():
+        for y, y_fn in (
+            (
+                fln.fused_rms_norm_affine(x, w, (4, 4), 1e-5),
+                fln.FusedRMSNormAffineFunction.apply(x, w, torch.Size([4, 4]), 1e-5, False),
+            ),
+            (
+                fln.fused_layer_norm_affine(x, w, b, (4, 4), 1e-5),
+                fln.FusedLayerNormAffineFunction.apply(x, w, b, torch.Size([4, 4]), 1e-5, False),
+            ),
+        ):
+            assert y.is_contiguous() and y_fn.is_contiguous()
+            torch.testing.assert_close(y, y_fn, **tol(torch.float32))
+    x = make((3, 8), torch.float32, requires_grad=True)
+    w16, b16 = param((8,), torch.bfloat16), param((8,), torch.bfloat16)
+    y = fln.fused_layer_norm_affine(x, w16, b16, (8,), 1e-5)
+    assert "Function" in y.grad_fn.name(), y.grad_fn.name()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("route", ["functional", "memory_efficient", "Function"])
 def test_bias_of_another_dtype_than_the_weight_keeps_its_own_precision(device, route):

@@ -238,15 +238,21 @@ def test_param_cast_after_steps_is_refused_or_taken_before_any_group_steps(name)
     before = [p.detach().clone() for p in ps]
     state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
     steps = [str(g.get("step")) for g in opt.param_groups]
-    ps[2].data = ps[2].data.double()
-    for p in ps:
-        p.grad = torch.randn_like(p)
-    with pytest.raises(TypeError, match=r"param group 1: parameter 0 has dtype torch.float64"):
-        opt.step()
-    assert all(torch.equal(p.double(), b.double()) for p, b in zip(ps, before))
-    for p, saved in zip(ps, state):
-        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
-    assert [str(g.get("step")) for g in opt.param_groups] == steps
+    for keep_grad in (True, False):  # the old float32 grad kept (p.data =), or a new one
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        ps[2].data = ps[2].data.double()
+        if not keep_grad:
+            ps[2].grad = torch.randn_like(ps[2])
+        with pytest.raises(
+            TypeError, match=r"param group 1: the parameter 0 has dtype torch.float64"
+        ):
+            opt.step()
+        assert all(torch.equal(p.double(), b.double()) for p, b in zip(ps, before))
+        for p, saved in zip(ps, state):
+            assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+        assert [str(g.get("step")) for g in opt.param_groups] == steps
+        ps[2].data = ps[2].data.float()
     ps[2].data = ps[2].data.bfloat16()
     ps[2].grad = torch.randn_like(ps[2])
     cast = ps[2].detach().clone()

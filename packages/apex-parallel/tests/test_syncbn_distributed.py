@@ -236,6 +236,11 @@ def _worker(rank, world):
         else:
             raise AssertionError("one value a channel over the group was accepted")
         assert torch.equal(bn.running_var, torch.ones(C)), bn.running_var
+        # No value at all on any rank: accepted, the running statistics left (an empty batch).
+        y = bn(torch.randn(0, C))
+        assert y.shape == (0, C)
+        assert torch.equal(bn.running_mean, torch.zeros(C)), bn.running_mean
+        assert torch.equal(bn.running_var, torch.ones(C)), bn.running_var
         results["one_value_in_group"] = None
     except Exception as e:
         results["one_value_in_group"] = f"rank {rank}: {type(e).__name__}: {e}"

@@ -342,7 +342,8 @@ def _eager_cuda(input, *params) -> bool:
 # path was (F.layer_norm, manual_rms_norm), rather than an autograd Function over the ops (same
 # results and dtypes; a [4, 1024] float32 LayerNorm module's forward 28 us against 65, torch's 8,
 # on the 2-core CI machine). That is every call that records nothing for backward, and
-# LayerNorm's with float32 or float64 input, whose backward then keeps what the Function keeps.
+# LayerNorm's with float32 or float64 input and parameters of its dtype, whose backward then keeps
+# what the Function keeps.
 # Recording otherwise, the plain math would keep more for backward than the Functions: a float32
 # copy of 16-bit input (twice its bytes), RMSNorm's composite autograd its intermediates (2-4x).
 # memory_efficient keeps the Functions (they save the output, not the input), as do tensor
@@ -354,13 +355,14 @@ _WIDE = (torch.float32, torch.float64)
 def _eager_cpu(input, memory_efficient, rms, *params) -> bool:
     if memory_efficient or type(input) is not torch.Tensor or input.device.type != "cpu":
         return False
-    records = input.requires_grad
+    records, mixed = input.requires_grad, False
     for p in params:
         if p is not None:
             if type(p) not in _PLAIN:
                 return False
             records = records or p.requires_grad
-    if records and torch.is_grad_enabled() and (rms or input.dtype not in _WIDE):
+            mixed = mixed or p.dtype != input.dtype  # the plain math would keep a cast copy
+    if records and torch.is_grad_enabled() and (rms or mixed or input.dtype not in _WIDE):
         return False
     return not torch.compiler.is_compiling()
 

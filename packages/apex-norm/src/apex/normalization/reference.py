@@ -213,10 +213,13 @@ def rms_norm_eager(input, weight, normalized_shape, eps, out_dtype=None) -> torc
     which older ONNX opsets lack."""
     if _F_RMS is None:
         return rms_norm_out(input, weight, normalized_shape, eps, out_dtype)
+    if eps is None:  # F.rms_norm's own default, which no other route takes
+        raise TypeError("rms_norm: eps must be a float, got None")
     acc = _stat_dtype(input.dtype)
     w = weight.to(acc) if weight is not None else None
-    # float(eps): F.rms_norm would take None (its own default), which no other route takes.
-    return _F_RMS(input.to(acc), list(normalized_shape), w, float(eps)).to(out_dtype or input.dtype)
+    # Contiguous, as every other route's output (F.rms_norm keeps a strided input's layout).
+    x = input.to(acc).contiguous()
+    return _F_RMS(x, list(normalized_shape), w, eps).to(out_dtype or input.dtype)
 
 
 def _rms(input, weight, normalized_shape, eps, out_dtype):

@@ -163,7 +163,7 @@ class Plan:
 
     __slots__ = (
         "params_list", "params", "live", "dead", "buckets", "keys", "device", "scratch", "native",
-        "strides", "dtypes", "shaped", "shaped_strides",
+        "strides", "dtypes", "param_dtypes", "shaped", "shaped_strides",
     )  # fmt: skip
 
     def matches(self, params: list, keys: tuple) -> bool:
@@ -476,9 +476,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             same = _contiguous(grads)
         else:
             same = _strides(grads) == plan.strides
-        # A grad of another dtype than the plan's: its param was cast since (module.half(),
-        # .double(), p.data =); the rebuilt plan's check refuses or takes the new dtype.
-        if not same or list(map(_DTYPE, grads)) != plan.dtypes:
+        # A param or grad of another dtype than the plan's: cast since (module.half(), .double(),
+        # p.data =); the rebuilt plan's check refuses or takes the new dtype.
+        if (
+            not same
+            or list(map(_DTYPE, grads)) != plan.dtypes
+            or list(map(_DTYPE, plan.live)) != plan.param_dtypes
+        ):
             return None
         if any(p.grad is not None for p in plan.dead):
             return None
@@ -506,17 +510,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"sparse gradients{self._sparse_hint}"
                 )
             # The group's params were checked when added; one cast since (module.double(),
-            # p.data =) is refused here, before any group steps.
-            if p.dtype not in self._param_dtypes():
-                raise TypeError(
-                    f"{where}: parameter {i} has dtype {p.dtype} (cast after it was added to the "
-                    f"optimizer); {self._name} supports {dtype_names(self._param_dtypes())}"
-                )
-            if g.dtype != p.dtype:
-                raise TypeError(
-                    f"{where}: the grad of parameter {i} has dtype {g.dtype} but the parameter "
-                    f"has {p.dtype}; a grad must have its parameter's dtype"
-                )
+            # p.data =), or its grad, is refused here, before any group steps.
+            for what, t in (("parameter", p), ("grad of parameter", g)):
+                if t.dtype not in self._param_dtypes():
+                    raise TypeError(
+                        f"{where}: the {what} {i} has dtype {t.dtype} (cast after it was added "
+                        f"to the optimizer?); {self._name} supports "
+                        f"{dtype_names(self._param_dtypes())}"
+                    )
             for what, t in (("parameter", p), ("grad", g)):
                 if not _layouts(t):
                     raise ValueError(
@@ -602,6 +603,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # case, and the cheapest test), else their strides.
         plan.strides = None if _contiguous(grads) else _strides(grads)
         plan.dtypes = list(map(_DTYPE, grads))
+        plan.param_dtypes = list(map(_DTYPE, plan.live))
         for b in plan.buckets:
             b.native = self._native_plan(group, b)
         plan.native = bool(plan.buckets) and all(b.native is not None for b in plan.buckets)

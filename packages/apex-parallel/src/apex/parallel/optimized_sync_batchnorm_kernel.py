@@ -75,13 +75,14 @@ def gather_stats(stats: torch.Tensor, process_group, world_size: int) -> torch.T
 
 
 def _check_group_count(gathered: torch.Tensor, c: int, shape, world_size: int) -> None:
-    """More than one value per channel over the whole group, as torch's BatchNorm asks of one
-    process (one value gives an unbiased variance of 0/0: NaN in running_var for good). Asked
-    only by a rank with at most one value of its own (the host reads the gathered counts: a
-    sync, on CUDA); where the group's total is at most one every rank has at most one, so every
-    rank asks and raises alike: no rank is left waiting in the backward's all_reduce."""
+    """Not exactly one value per channel over the whole group, as torch's BatchNorm asks of one
+    process (one value gives an unbiased variance of 0/0: NaN in running_var for good; none at
+    all leaves the running statistics, as an empty batch does). Asked only by a rank with at
+    most one value of its own (the host reads the gathered counts: a sync, on CUDA); where the
+    group's total is one every rank has at most one, so every rank asks and raises alike: no
+    rank is left waiting in the backward's all_reduce."""
     total = float(gathered.view(world_size, 2 * c + 1)[:, 2 * c].sum())
-    if total <= 1:
+    if total == 1:
         raise ValueError(
             "SyncBatchNorm: expected more than 1 value per channel when training, got "
             f"{int(total)} over the process group's {world_size} ranks (an input of shape "

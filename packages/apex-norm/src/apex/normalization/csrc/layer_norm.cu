@@ -1477,7 +1477,7 @@ struct Tune {
   int bwd_wide = 0;
 };
 
-// APEX_NORM_TUNE's knobs: name, field, least and most value (another clamps to them, said once).
+// APEX_NORM_TUNE's knobs: name, field, least and most value (another is ignored, said once).
 struct Knob {
   const char* name;
   int Tune::*field;
@@ -1522,17 +1522,16 @@ const Tune& tune() {
           const char* text = item.c_str() + eq + 1;
           char* rest = nullptr;
           const long given = std::strtol(text, &rest, 10);
+          while (rest != text && *rest == ' ') ++rest;  // "bwd_wide=1 ", as atoi took it
           if (rest == text || *rest != '\0') {
             TORCH_WARN("APEX_NORM_TUNE: ", key, "='", text, "' is not an integer: ignored");
+          } else if (given < knob->least || given > knob->most) {
+            // Not clamped: a bit mask's 4 (fwd32_hint, bwd_hint, bwd_wide: 0-3) would become 3,
+            // both norms on.
+            TORCH_WARN("APEX_NORM_TUNE: ", key, "=", given, " is outside ", knob->least, "..",
+                       knob->most, ": ignored");
           } else {
-            const int value = int(std::clamp<long>(given, knob->least, knob->most));
-            if (value != given) {
-              // The bit masks (fwd32_hint, bwd_hint, bwd_wide: 0-3) would otherwise turn a 4
-              // into 3, both norms on.
-              TORCH_WARN("APEX_NORM_TUNE: ", key, "=", given, " is outside ", knob->least, "..",
-                         knob->most, ": ", value);
-            }
-            v.*(knob->field) = value;
+            v.*(knob->field) = int(given);
           }
         }
       }
