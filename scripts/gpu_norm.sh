@@ -41,6 +41,11 @@ sweep() {
   grep " ms " "$OUT/$file"
   rm -rf "$OUT/sweep"
 }
+# sweep_ab FILE SECONDS A B: settings A and B twice each, alternating (A B A B), so that a drift
+# of the machine during the stage shows as a difference between the two runs of one setting.
+sweep_ab() {
+  sweep "$1" "$2" "$3" "$4" "$3" "$4"
+}
 if [ -n "${BASE:-}" ]; then
   BASE=$(cd "$BASE" && pwd) || { echo "BASE: no such folder"; exit 1; }
   # Its own kernel cache: the cache's per-kernel lock would queue the two compiles. CACHE_IN may
@@ -89,34 +94,32 @@ if [ "${BWD_LEAN:-0}" = 1 ]; then
   # `SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096 norm_sweep.sh bwd_lean=1 bwd_lean=0`, one run each.
   # At 18:1x it ran at H = 4096-16384 on daf03a5, whose LEAN ring also took the 4-vector rows
   # (H > 4096); slower there but for RMSNorm's rows of 512 threads, so reverted (NOTES.md).
-  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 sweep sweep_lean.txt 150 \
-    "bwd_lean=1" "bwd_lean=0" "bwd_lean=1" "bwd_lean=0"
+  SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096 sweep_ab sweep_lean.txt 150 "bwd_lean=1" "bwd_lean=0"
 fi
 if [ "${HINT_SWEEP:-0}" = 1 ]; then
   # The 16-bit forward's cache hints (fwd_hint for LayerNorm, rms_fwd_hint for RMSNorm). At
   # 12-05 03:4x: none, the input's loads past L1 (1), also weight and bias at L1::evict_last (3),
   # also the output streamed (7), for both norms (then one knob). Now: the defaults (LayerNorm
   # 7, RMSNorm none) against the streaming store alone (4) for both; twice each, alternating.
-  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_hint.txt 240 \
-    "fwd_hint=7,rms_fwd_hint=0" "fwd_hint=4,rms_fwd_hint=4" \
+  SWEEP_PASSES=fwd SWEEP_H=1024,2048,4096,8192,16384 sweep_ab sweep_hint.txt 240 \
     "fwd_hint=7,rms_fwd_hint=0" "fwd_hint=4,rms_fwd_hint=4"
 fi
 if [ "${RING4_SWEEP:-0}" = 1 ]; then
   # LayerNorm's 16-bit 4-vector ring (H > 4096): bias sums as float4s or floats (bwd_bias4),
   # twice each, alternating. (Its LEAN variant, knob bwd_lean4, ran here at 12-05 03:4x: slower.)
-  SWEEP_PASSES=fwd+bwd SWEEP_H=8192,12288,16384 SWEEP_NORMS=layernorm sweep sweep_ring4.txt 200 \
-    "bwd_bias4=1" "bwd_bias4=0" "bwd_bias4=1" "bwd_bias4=0"
+  SWEEP_PASSES=fwd+bwd SWEEP_H=8192,12288,16384 SWEEP_NORMS=layernorm sweep_ab sweep_ring4.txt 200 \
+    "bwd_bias4=1" "bwd_bias4=0"
 fi
 if [ "${STORE_SWEEP:-0}" = 1 ]; then
   # Off (the defaults) against on for both norms, twice each, alternating.
-  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192,16384 sweep sweep_store.txt 240 \
-    "bwd_hint=0" "bwd_hint=3" "bwd_hint=0" "bwd_hint=3"
-  SWEEP_DT=fp32 SWEEP_PASSES=fwd,fwd+bwd SWEEP_H=1024,4096,16384 sweep sweep_store32.txt 180 \
-    "fwd32_hint=0" "fwd32_hint=3" "fwd32_hint=0" "fwd32_hint=3"
+  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192,16384 sweep_ab sweep_store.txt 240 \
+    "bwd_hint=0" "bwd_hint=3"
+  SWEEP_DT=fp32 SWEEP_PASSES=fwd,fwd+bwd SWEEP_H=1024,4096,16384 sweep_ab sweep_store32.txt 180 \
+    "fwd32_hint=0" "fwd32_hint=3"
 fi
 if [ "${WIDE_SWEEP:-0}" = 1 ]; then
   SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096,8192,12288,16384 SWEEP_NORMS=layernorm \
-    sweep sweep_wide.txt 180 "bwd_wide=0" "bwd_wide=3" "bwd_wide=0" "bwd_wide=3"
+    sweep_ab sweep_wide.txt 180 "bwd_wide=0" "bwd_wide=3"
 fi
 if [ -n "${SWEEP_SETTINGS:-}" ]; then
   # shellcheck disable=SC2086  # one word per setting
