@@ -386,24 +386,20 @@ def backward_against_torch(norm, H, rows, dtype, device, bias_only=False):
     RMSNorm with a weight) against torch in float64: every gradient, the test_cuda_many_rows
     tolerances."""
     x = make((rows, H), dtype, device, requires_grad=True, scale=2.0, shift=0.5)
-    w, b = param((H,), dtype, device), param((H,), dtype, device)
-    if bias_only:
-        inputs = [x, b]
-        y = run(x, None, b, (H,), 1e-5, False)
-        xd, bd = (t.detach().double().requires_grad_(True) for t in inputs)
-        expected, exp_inputs = torch_layer_norm(xd, (H,), None, bd, 1e-5), [xd, bd]
-    elif norm == "rms":
+    w = None if bias_only else param((H,), dtype, device)
+    b = None if norm == "rms" else param((H,), dtype, device)
+    # The same tensors in float64 for torch (None stays None).
+    xd, wd, bd = (t if t is None else t.detach().double().requires_grad_(True) for t in (x, w, b))
+    if norm == "rms":
         from apex.normalization.fused_layer_norm import fused_rms_norm_affine
 
-        inputs = [x, w]
         y = fused_rms_norm_affine(x, w, (H,), 1e-5)
-        xd, wd = (t.detach().double().requires_grad_(True) for t in inputs)
-        expected, exp_inputs = torch_rms_norm(xd, (H,), wd, 1e-5), [xd, wd]
+        expected = torch_rms_norm(xd, (H,), wd, 1e-5)
     else:
-        inputs = [x, w, b]
         y = run(x, w, b, (H,), 1e-5, False)
-        xd, wd, bd = (t.detach().double().requires_grad_(True) for t in inputs)
-        expected, exp_inputs = torch_layer_norm(xd, (H,), wd, bd, 1e-5), [xd, wd, bd]
+        expected = torch_layer_norm(xd, (H,), wd, bd, 1e-5)
+    inputs = [t for t in (x, w, b) if t is not None]
+    exp_inputs = [t for t in (xd, wd, bd) if t is not None]
     torch.testing.assert_close(y.double(), expected, **tol(dtype))
     dy = torch.randn_like(y)
     got = torch.autograd.grad(y, inputs, dy)
