@@ -301,9 +301,10 @@ def _plain_ln(input, weight, bias, normalized_shape, eps, mixed):
     return reference.layer_norm_out(input, weight, bias, shape, eps, out_dtype)
 
 
-def _plain_rms(input, weight, normalized_shape, eps, mixed):
+def _plain_rms(input, weight, normalized_shape, eps, mixed, math=reference.rms_norm_out):
+    """``math``: rms_norm_out, or rms_norm_eager (F.rms_norm) on the eager CPU path."""
     shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
-    return reference.rms_norm_out(input, weight, shape, eps, out_dtype)
+    return math(input, weight, shape, eps, out_dtype)
 
 
 # -- the eager CUDA path -------------------------------------------------------------------------
@@ -394,8 +395,7 @@ def _rms_norm(input, weight, normalized_shape, eps, memory_efficient, mixed, fn,
     if _plain_math():
         return _plain_rms(input, weight, normalized_shape, eps, mixed)
     if _eager_cpu(input, memory_efficient, True, weight):
-        shape, out_dtype = _checked(input, normalized_shape, weight, None, mixed)
-        return reference.rms_norm_eager(input, weight, shape, eps, out_dtype)
+        return _plain_rms(input, weight, normalized_shape, eps, mixed, reference.rms_norm_eager)
     return fn.apply(*args)
 
 
