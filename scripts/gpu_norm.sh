@@ -7,10 +7,8 @@
 #   BWD_LEAN=1   the ring backward's LEAN variant against the general one
 #   HINT_SWEEP=1 the 16-bit forward's cache hints (fwd_hint), every H
 #   RING4_SWEEP=1 LayerNorm's 4-vector ring: bwd_bias4 at H = 8192 / 12288 / 16384
-#   STORE_SWEEP=1 the streaming stores built 12-05: the bf16 ring backward's grad_input (bwd_hint),
-#                every H; float32's forward output (fwd32_hint) at H = 1024 / 4096 / 16384
-#   WIDE_SWEEP=1 LayerNorm's bf16 backward through bwd_ring_wide (bwd_wide=3) against the rings of
-#                the defaults, at H = 2048 / 4096 / 8192 / 12288 / 16384
+#   WIDE_SWEEP=1 LayerNorm's bf16 backward with bwd_ring_wide (bwd_wide=3, the default: where an
+#                SM holds 32 of its warps) against without (0), H = 2048 / 4096 / 8192 / 12288 / 16384
 #   SWEEP_SETTINGS="a=1 a=2 ..."  any APEX_NORM_TUNE settings, one process each (SWEEP_PASSES,
 #                SWEEP_H, SWEEP_NORMS, SWEEP_DT as norm_sweep.sh reads them; exported for the
 #                whole call, they also narrow the stages that do not set their own, BASE's A/B
@@ -109,13 +107,6 @@ if [ "${RING4_SWEEP:-0}" = 1 ]; then
   # twice each, alternating. (Its LEAN variant, knob bwd_lean4, ran here at 12-05 03:4x: slower.)
   SWEEP_PASSES=fwd+bwd SWEEP_H=8192,12288,16384 SWEEP_NORMS=layernorm sweep_ab sweep_ring4.txt 200 \
     "bwd_bias4=1" "bwd_bias4=0"
-fi
-if [ "${STORE_SWEEP:-0}" = 1 ]; then
-  # Off (the defaults) against on for both norms, twice each, alternating.
-  SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=1024,2048,4096,8192,16384 sweep_ab sweep_store.txt 240 \
-    "bwd_hint=0" "bwd_hint=3"
-  SWEEP_DT=fp32 SWEEP_PASSES=fwd,fwd+bwd SWEEP_H=1024,4096,16384 sweep_ab sweep_store32.txt 180 \
-    "fwd32_hint=0" "fwd32_hint=3"
 fi
 if [ "${WIDE_SWEEP:-0}" = 1 ]; then
   SWEEP_DT=bf16 SWEEP_PASSES=fwd+bwd SWEEP_H=2048,4096,8192,12288,16384 SWEEP_NORMS=layernorm \

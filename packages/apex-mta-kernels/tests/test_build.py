@@ -265,6 +265,28 @@ def test_fallback_warns_once_and_strict_raises(cache, monkeypatch, tmp_path):
         loader.load(BROKEN)
 
 
+def test_post_load_hooks_run_once_after_a_load_and_not_after_a_failure(cache, monkeypatch):
+    spec = KernelSpec(name="apex_test_hooked", package="", sources=("broken.cu",))
+    ext = loader.Extension(spec, Path("/nowhere/apex_test_hooked.so"), "cache", ())
+    calls = []
+    monkeypatch.setitem(loader._post_load, spec.name, [calls.append])
+    monkeypatch.setattr(loader, "_load", lambda s: ext)
+    try:
+        assert loader.load(spec) is ext and loader.load(spec) is ext
+        assert calls == [ext]
+    finally:
+        loader._loaded.pop(spec.name, None)
+    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
+    monkeypatch.setattr(loader, "_load", lambda s: (_ for _ in ()).throw(OSError("no library")))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert loader.load(spec) is None
+        assert calls == [ext]
+    finally:
+        loader._failed.pop(spec.name, None)
+
+
 # ---- compile once, cache, lock ---------------------------------------------------------------------
 
 LOAD_TINY = """

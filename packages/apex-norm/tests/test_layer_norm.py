@@ -426,29 +426,26 @@ KNOB_CASES = BIG_SMEM + [("layer", 4096, torch.bfloat16), ("rms", 2048, torch.bf
         # sm_86's 99 KB: bwd_vec where neither the ring nor bwd_fast fits; LayerNorm's forward
         # without its cache hints
         "smem_kb=99,fwd_hint=0",
-        # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast; LayerNorm's ring backward
-        # with grad_input's streaming store, RMSNorm's float32 forward with its output's
-        "smem_kb=160,bwd_hint=1,fwd32_hint=2",
+        # sm_80's ~160 KB: LayerNorm 16-bit H=16384 back on bwd_fast
+        "smem_kb=160",
         # the knobs' other kernels and the merged forward moments; LayerNorm's forward with its
         # streaming store alone
         "bwd_ring=0,ln_one_pass=0,fwd_hint=4",
-        # the 16-bit kernels without their 80-register caps; RMSNorm's forward with the
-        # streaming store alone, LayerNorm's with an uncompiled set (none)
-        "fwd_r80=0,bwd_r80=0,fwd_hint=3,rms_fwd_hint=4",
-        # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096; both norms'
-        # streaming stores (the general ring's, float32's forward)
-        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0,bwd_hint=3,fwd32_hint=3",
+        # the 16-bit kernels without their 80-register caps (LayerNorm's ring too: bwd_wide=0);
+        # RMSNorm's forward with the streaming store alone, LayerNorm's with an uncompiled set
+        # (none)
+        "fwd_r80=0,bwd_r80=0,bwd_wide=0,fwd_hint=3,rms_fwd_hint=4",
+        # the general ring, 2-vector rows at H=8192, the 8-vector forward at H=4096
+        "bwd_lean=0,bwd_wide_pt16=0,rms_short_pt16=0,fwd_mid_pt16=0",
         # a ring of 4 stages where it fits (rows up to H=4096), fewer above; LayerNorm's 4-vector
-        # ring (H=8192, 16384) with its bias sums one float each; every forward cache hint (the
-        # 80-register forward's too)
-        "bwd_ring=4,bwd_bias4=0,fwd_hint=7,rms_fwd_hint=7",
-        # LayerNorm's rows past 1024 through bwd_ring_wide (2 vectors a thread on up to 1024
-        # threads); RMSNorm's ring backward with grad_input's streaming store
-        "bwd_wide=3,bwd_hint=2",
-        # bwd_wide's bits one at a time: rows past 4096 (LayerNorm's float32 forward streamed),
-        # rows of 1025-4096 (LayerNorm's longer rows' ring with grad_input streamed)
-        "bwd_wide=1,fwd32_hint=1",
-        "bwd_wide=2,bwd_hint=1",
+        # ring (H=8192, 16384, bwd_wide=0) with its bias sums one float each; every forward cache
+        # hint (the 80-register forward's too)
+        "bwd_ring=4,bwd_bias4=0,bwd_wide=0,fwd_hint=7,rms_fwd_hint=7",
+        # bwd_wide's bits one at a time (both, the default, in every other case): LayerNorm's
+        # rows past 4096 through bwd_ring_wide where an SM holds 32 of its warps, then those of
+        # 1025-4096
+        "bwd_wide=1",
+        "bwd_wide=2",
     ],
 )
 def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
@@ -501,7 +498,10 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                 print("kernel", name)
             # LayerNorm's 16-bit backwards one at a time (weight and bias; bias alone): whether
             # each took bwd_ring_wide, and each right.
-            optin = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+            props = torch.cuda.get_device_properties(0)
+            optin = getattr(props, "shared_memory_per_block_optin", 0)
+            # An SM's shared memory (sm_80 and sm_90: 1 KB over a block's opt-in limit).
+            per_sm = getattr(props, "shared_memory_per_multiprocessor", optin + 1024)
             for H in (1024, 2048, 4096, 8192, 12288, 16384):
                 for dtype in (torch.bfloat16, torch.float16):
                     with torch.profiler.profile(
@@ -511,7 +511,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
                         backward_against_torch("layer", H, 257, dtype, "cuda", bias_only=True)
                         torch.cuda.synchronize()
                     wide = sum("bwd_ring_wide<" in e.name for e in one.events())
-                    print("layer-bwd", H, str(dtype).removeprefix("torch."), wide, optin)
+                    print("layer-bwd", H, str(dtype).removeprefix("torch."), wide, optin, per_sm)
             """
         )
     )
@@ -544,40 +544,29 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
         )
     }
     assert set(want.items()) <= ran, (want, kernels)
-    # float32's forward (LEAN with the streaming store: fwd32_hint) and the bfloat16 ring
-    # backward (grad_input streamed, its last template argument: bwd_hint), by norm bit (1
-    # LayerNorm, 2 RMSNorm): every such kernel of the norm ran with the knob's choice.
-    for knob, pattern, on in (
-        ("fwd32_hint", r"fwd_fast<float, \d+, (true|false), (\w+), (\d+)>", ("true", "4")),
-        (
-            "bwd_hint",
-            r"bwd_ring(?:_r80)?<(?:c10::)?BFloat16, \d+, (true|false),[^()]*, (\w+)>",
-            ("true",),
-        ),
-    ):
-        bits = int(knobs.get(knob, 0))
-        for rms, bit in (("false", 1), ("true", 2)):
-            seen = {m.groups()[1:] for k in kernels if (m := re.search(pattern, k)) and m[1] == rms}
-            expect = on if bits & bit else tuple("false" if v == "true" else "0" for v in on)
-            # (No ring runs where the shared memory is capped below it: smem_kb=99.)
-            assert seen <= {expect} and (seen or not bits & bit), (knob, rms, seen, kernels)
     # bwd_wide: each LayerNorm 16-bit backward (with weight and bias, and with a bias alone: two
     # launches) took bwd_ring_wide where its bit covers the row (bit 1 H > 4096, bit 2 H of
-    # 1025-4096) and the two-stage ring fits a block's shared memory (up to 104 KB at H=8192, 208
-    # KB at 16384: sm_90's 227 KB holds every H here), and never elsewhere (nor in RMSNorm's).
-    bits = int(knobs.get("bwd_wide", 0))
+    # 1025-4096; default both), the two-stage ring fits a block's shared memory (up to 104 KB at
+    # H=8192, 208 KB at 16384: sm_90's 227 KB holds every H here) and an SM holds 1024 of its
+    # threads (sm_90: H = 4096, 8192, 16384; not 2048's seven blocks of 128, nor 12288's one of
+    # 768), and never elsewhere (nor in RMSNorm's).
+    bits = int(knobs.get("bwd_wide", 3))
     capped = "smem_kb" in knobs
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("layer-bwd ")]
     assert len(lines) == 12, done.stdout
-    for _, H, dtype, wide, optin in lines:
-        H, wide, optin = int(H), int(wide), int(optin)
+    for _, H, dtype, wide, optin, per_sm in lines:
+        H, wide, optin, per_sm = int(H), int(wide), int(optin), int(per_sm)
         covered = (bits & 1 and H > 4096) or (bits & 2 and 1024 < H <= 4096)
         # H / 16 threads; two stages of x and dy at 2 vectors a thread (8 H bytes), the stages'
         # row statistics (H) and 16 float bias sums a thread (4 H), and 2 KB of static slots.
-        fits = 13 * H + 2048 <= optin
-        if covered and not capped and fits:
+        # Its 64 registers a thread never hold an SM under 1024 threads; shared memory may (1 KB
+        # more a block, reserved by the driver on sm_80 and later).
+        smem, threads = 13 * H + 2048, H // 16
+        fits = smem <= optin
+        full = min(per_sm // (smem + 1024), 2048 // threads) * threads >= 1024
+        if covered and not capped and fits and full:
             assert wide == 2, (H, dtype, wide, tune)
-        elif not covered:
+        elif not covered or (not capped and not full):
             assert wide == 0, (H, dtype, wide, tune)
 
 
@@ -602,7 +591,7 @@ def test_cuda_tuning_knobs_warn_about_what_they_do_not_take(tmp_path):
             """
         )
     )
-    env = {**os.environ, "APEX_NORM_TUNE": "bogus=1,bwd_ring=two,fwd32_hint=4,bwd_hint=-1"}
+    env = {**os.environ, "APEX_NORM_TUNE": "bogus=1,bwd_lean=two,bwd_wide=4,bwd_ring=-1"}
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -610,9 +599,9 @@ def test_cuda_tuning_knobs_warn_about_what_they_do_not_take(tmp_path):
     warned = [line for line in done.stdout.splitlines() if line.startswith("warned ")]
     for expected in (
         "unknown knob 'bogus' ignored",
-        "bwd_ring='two' is not an integer: ignored",
-        "fwd32_hint=4 is outside 0..3: ignored",
-        "bwd_hint=-1 is outside 0..3: ignored",
+        "bwd_lean='two' is not an integer: ignored",
+        "bwd_wide=4 is outside 0..3: ignored",
+        "bwd_ring=-1 is outside 0..4: ignored",
     ):
         assert sum(expected in line for line in warned) == 1, (expected, warned)
 

@@ -169,6 +169,37 @@ def test_legacy_extension_module(device):
 # -- bad input -----------------------------------------------------------------------------------
 
 
+def test_tuning_notes_of_the_loaded_library_become_warnings(monkeypatch):
+    """Once apex_norm_C is loaded, each line it gives about APEX_NORM_TUNE (what it did not take)
+    is one UserWarning; a library without that entry point gives none."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from apex.multi_tensor_apply.build import loader
+
+    assert ops._warn_tune_notes in loader._post_load[ops.NORM.name]
+    lines = b"APEX_NORM_TUNE: unknown knob 'bogus' ignored\nAPEX_NORM_TUNE: bwd_wide=9 is outside 0..3: ignored\n"
+
+    class Library:
+        def __init__(self, path):
+            assert path == "/lib/apex_norm_C.so"
+            self.apex_norm_tune_notes = lambda: lines
+
+    monkeypatch.setattr(ctypes, "CDLL", Library)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ops._warn_tune_notes(SimpleNamespace(path="/lib/apex_norm_C.so"))
+    assert [str(w.message) for w in seen] == lines.decode().splitlines()
+    assert all(w.category is UserWarning for w in seen)
+    lines = b""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ops._warn_tune_notes(SimpleNamespace(path="/lib/apex_norm_C.so"))
+        Library.__init__ = lambda self, path: None  # an older library: no such symbol
+        ops._warn_tune_notes(SimpleNamespace(path="/lib/apex_norm_C.so"))
+    assert seen == []
+
+
 def test_normalized_shape_not_matching_input():
     with pytest.raises(
         ValueError,

@@ -208,6 +208,24 @@ def kernels_loaded() -> bool:
     return _loader.loaded(NORM) is not None
 
 
+def _warn_tune_notes(extension) -> None:
+    """APEX_NORM_TUNE's entries the library did not take (an unknown knob, a value that is not an
+    integer or is out of range), one warning each, once the library is loaded. The library reads
+    the variable; it does not warn itself (csrc/layer_norm.cu, apex_norm_tune_notes)."""
+    import ctypes
+
+    try:
+        notes = ctypes.CDLL(str(extension.path)).apex_norm_tune_notes
+    except (OSError, AttributeError):  # a library built before it had them
+        return
+    notes.restype = ctypes.c_char_p
+    for line in notes().decode().splitlines():
+        warnings.warn(line, UserWarning, stacklevel=2)
+
+
+_loader.register_post_load(NORM.name, _warn_tune_notes)
+
+
 # -- autograd of the forward ops -------------------------------------------------------------
 
 

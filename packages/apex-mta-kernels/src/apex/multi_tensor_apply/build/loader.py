@@ -41,6 +41,7 @@ _lock = threading.Lock()
 _loaded: dict[str, Extension] = {}
 _failed: dict[str, Exception] = {}
 _pre_load: dict[str, list] = {}
+_post_load: dict[str, list] = {}
 
 
 def register_pre_load(name: str, hook) -> None:
@@ -52,6 +53,12 @@ def register_pre_load(name: str, hook) -> None:
 def _run_pre_load(name: str) -> None:
     for hook in _pre_load.get(name, ()):
         hook()
+
+
+def register_post_load(name: str, hook) -> None:
+    """Run ``hook(extension)`` once the library ``name`` is loaded, before the call that loaded it
+    goes on (apex-norm reads there what its library has to say about the environment)."""
+    _post_load.setdefault(name, []).append(hook)
 
 
 def loaded(spec: KernelSpec) -> Extension | None:
@@ -311,6 +318,8 @@ def load(spec: KernelSpec) -> Extension | None:
         if spec.name not in _failed:
             try:
                 _loaded[spec.name] = _load(spec)
+                for hook in _post_load.get(spec.name, ()):
+                    hook(_loaded[spec.name])
                 return _loaded[spec.name]
             except Exception as exc:  # compiler errors come in many types
                 _failed[spec.name] = exc

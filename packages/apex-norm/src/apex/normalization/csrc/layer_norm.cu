@@ -250,20 +250,6 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const float (&o)[kVec]
   }
 }
 
-// Eight floats stored as two 16-byte vectors with kHintY's streaming store (float32 rows: Tune's
-// fwd32_hint, a float32 output).
-__device__ __forceinline__ void store_vec_streaming(float* p, const float (&o)[kVec]) {
-  if constexpr (kHasHints) {
-    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(o[0]), "f"(o[1]),
-                 "f"(o[2]), "f"(o[3]));
-    asm volatile("st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p + 4), "f"(o[4]),
-                 "f"(o[5]), "f"(o[6]), "f"(o[7]));
-  } else {
-    reinterpret_cast<float4*>(p)[0] = make_float4(o[0], o[1], o[2], o[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(o[4], o[5], o[6], o[7]);
-  }
-}
-
 // An empty asm on a packed 16-bit vector's words: the compiler must assume they changed, so it
 // converts them to float again at the next use instead of keeping the earlier conversions live.
 template <typename T>
@@ -416,7 +402,7 @@ __device__ __forceinline__ void fwd_param_vec(const void* p, int dt, int64_t i, 
 template <typename Tx, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const float (&o)[kVec]) {
   if constexpr ((HINT & kHintY) != 0) {
-    store_vec_streaming(static_cast<Tx*>(p) + i, o);  // float32: the overload of its own
+    store_vec_streaming(static_cast<Tx*>(p) + i, o);
   } else {
     store_out_vec<Tx, LEAN>(p, dt, i, o);
   }
@@ -428,12 +414,10 @@ __device__ __forceinline__ void fwd_out_vec(void* p, int dt, int64_t i, const fl
 // than kept as floats from the sums (bf16 RMSNorm at 8 vectors a thread: 86 registers, not 126).
 // Two kernels run it: fwd_fast (blocks of up to kMaxTX threads, so 128 registers at most) and
 // fwd_fast_r80 (LEAN at 80 registers: three blocks of 256 threads per SM); see Tune's fwd_r80.
-// HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows), or the streaming store alone for
-// float32 LEAN rows (Tune's fwd32_hint; weight, bias and output float32 too).
+// HINT: the cache hints of Tune's fwd_hint (16-bit LEAN rows).
 template <typename Tx, int NV, bool RMS, bool LEAN, int HINT>
 __device__ __forceinline__ void fwd_rows(const FwdArgs& a) {
-  static_assert(HINT == 0 || (LEAN && (sizeof(Tx) == 2 || HINT == kHintY)),
-                "cache hints are for LEAN rows, float32 ones the streaming store alone");
+  static_assert(HINT == 0 || (LEAN && sizeof(Tx) == 2), "cache hints are for 16-bit LEAN rows");
   __shared__ float4 slots[2 * kMaxTY * kMaxWarps];
   int parity = 0;
   GroupSum<false> gsum{reinterpret_cast<float2*>(slots), 0};
@@ -661,10 +645,8 @@ __device__ __forceinline__ float xhat_t(const BwdArgs& a, float v, float mu, flo
 // vector k of the input (or output) and of grad_output, once per pass (registers for bwd_fast,
 // the ring's shared memory for bwd_ring); acc(i, dy, x-hat) adds element i's terms
 // (i < NV * kVec) to the weight/bias gradient sums. Every thread of the block calls it (a barrier
-// inside); `live`: the row exists. CS: grad_input stored as streaming data where its dtype is Tx
-// (Tune's bwd_hint).
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false, typename GS,
-          typename Src, typename Acc>
+// inside); `live`: the row exists.
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, typename GS, typename Src, typename Acc>
 __device__ __forceinline__ void bwd_row(const BwdArgs& a, GS& gsum, Src&& src, float muc,
                                         float rc, int64_t row, bool live, Acc&& acc) {
   const int64_t nvec = a.H / kVec;
@@ -725,16 +707,7 @@ __device__ __forceinline__ void bwd_row(const BwdArgs& a, GS& gsum, Src&& src, f
         const float g = a.w ? dy * w[e] : dy;
         o[e] = fmaf(g, rc, fmaf(t, c1, c0));
       }
-      if constexpr (CS) {
-        constexpr int kDx = std::is_same_v<Tx, at::BFloat16> ? kBF16 : kF16;
-        if (LEAN || a.dxt == kDx) {
-          store_vec_streaming<Tx>(static_cast<Tx*>(a.dx) + row * a.H + j * kVec, o);
-        } else {
-          store_vec_dt(a.dx, a.dxt, row * a.H + j * kVec, o);
-        }
-      } else {
-        store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
-      }
+      store_out_vec<Tx, LEAN>(a.dx, a.dxt, row * a.H + j * kVec, o);
     }
   }
 }
@@ -942,7 +915,7 @@ __host__ __device__ constexpr bool ring_bias_in_smem(int nv, bool rms) { return 
 
 // WIDE: bwd_ring_wide's rows (LayerNorm at 2 vectors a thread on up to 1024 threads, the bias
 // sums in shared memory as at 4 vectors).
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS, bool CS, bool WIDE = false>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS, bool WIDE = false>
 __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   static_assert(ring_fits(NV, RMS), "bwd_ring keeps its weight sums in registers");
   static_assert(!WIDE || (!RMS && NV == 2), "bwd_ring_wide: LayerNorm rows of 2 vectors a thread");
@@ -1027,7 +1000,7 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
     const float rc = live ? stat[(s * 2 + 0) * nthreads + tid] : 0.f;
     const float muc = (live && need_mu) ? stat[(s * 2 + 1) * nthreads + tid] : 0.f;
     float bq[4];  // kBS: grad_output of the quad being summed (i is a constant: registers)
-    bwd_row<Tx, NV, RMS, ME, LEAN, CS>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
+    bwd_row<Tx, NV, RMS, ME, LEAN>(a, gsum, from_ring, muc, rc, row, live, [&](int i, float dy, float xv) {
       acc_w[i] = fmaf(dy, xv, acc_w[i]);
       if constexpr (kBS && !QUADS) {
         if (sum_b) acc_b1[i * nthreads] += dy;
@@ -1071,15 +1044,15 @@ __device__ __forceinline__ void bwd_ring_rows(BwdArgs a) {
   }
 }
 
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true, bool CS = false>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true>
 __global__ void __launch_bounds__(kMaxTX) bwd_ring(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS, CS>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS>(a);
 }
 
 // bwd_ring at 80 registers (see Tune's bwd_r80).
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool CS = false>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN>
 __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true, CS>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true>(a);
 }
 
 // LayerNorm's 16-bit ring on rows of 512-1024 threads at 2 vectors a thread (H > 4096: 8192 on
@@ -1089,9 +1062,9 @@ __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
 // that backward (about 60 % of copy for its three tensors at 16384, RMSNorm's 87 % in the same
 // shape) waits on latency, not on issue (its LEAN variant, with a quarter of the instructions,
 // was slower). Tune's bwd_wide; the same template arguments as bwd_ring, for its name.
-template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true, bool CS = false>
+template <typename Tx, int NV, bool RMS, bool ME, bool LEAN, bool QUADS = true>
 __global__ void __launch_bounds__(1024, 1) bwd_ring_wide(BwdArgs a) {
-  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS, CS, true>(a);
+  bwd_ring_rows<Tx, NV, RMS, ME, LEAN, QUADS, true>(a);
 }
 
 // Dynamic shared memory of bwd_ring: the ring of S rows, their statistics and (bias_sums) the
@@ -1458,23 +1431,24 @@ struct Tune {
   // rows the input hints' 5-6 points.
   int fwd_hint = 7;
   int rms_fwd_hint = 0;
-  // The float32 forward (weight, bias and output float32 too) with its output stored as
-  // streaming data (kHintY, through fwd_fast's LEAN variant): 1 LayerNorm, 2 RMSNorm, 3 both, 0
-  // neither. The 16-bit LayerNorm forward gained from that store (fwd_hint above); float32's
-  // bench of record (H200, 12-05 ~04:00, H=4096 fwd): LayerNorm 85.3 % of copy, RMSNorm 98.6 %,
-  // torch.compile 101.6-101.8 %. Built 12-05 (third session), not yet timed: off.
-  int fwd32_hint = 0;
-  // The 16-bit ring backward's grad_input stored as streaming data (st.global.cs; bfloat16
-  // rows, not memory_efficient, not LayerNorm's 4-vector ring under bwd_bias4=0): 1 LayerNorm,
-  // 2 RMSNorm, 3 both, 0 neither (not bwd_wide's kernel). The hypothesis is the forward's: its
-  // output's store was what gained. Built 12-05 (third session), not yet timed: off.
-  int bwd_hint = 0;
+  // Not kept (built 12-05, third session; measured on an H100, 12-05 10:5x, scripts/gpu_norm.sh
+  // STORE_SWEEP=1, two runs each, off / on): the float32 forward's output as streaming data
+  // (fwd32_hint; % of copy, RMSNorm fwd H=16384 98.3, 98.3 / 91.8, 90.4, LayerNorm fwd+bwd
+  // H=4096 96.0, 95.2 / 96.9, 94.9), and the bf16 ring backward's grad_input as streaming data
+  // (bwd_hint; fwd+bwd, RMSNorm H=16384 95.4, 95.3 / 95.9, 91.7, LayerNorm 87.7, 87.5 / 85.9,
+  // 84.7; within a point elsewhere). The forward's gain from its store (fwd_hint) did not carry.
   // LayerNorm's 16-bit backward (LEAN, with a bias, not memory_efficient) through bwd_ring_wide:
   // 2 vectors a thread on rows of up to 1024 threads at 64 registers, its bias sums in shared
-  // memory. Bit 1: rows past 4096, 32 warps an SM against the 4-vector ring's 16; bit 2: rows
-  // of 1025-4096, 32 warps against bwd_ring_r80's 24 (80 registers, three blocks of 256 at
-  // 4096). Built 12-05 (third session), not yet timed: off.
-  int bwd_wide = 0;
+  // memory, where an SM holds 32 of its warps (1024 threads) at once: the warps it was built
+  // for. Bit 1: rows past 4096, against the 4-vector ring's 16 warps; bit 2: rows of 1025-4096,
+  // against bwd_ring_r80's 24 (80 registers, three blocks of 256 at 4096). Measured on an H100
+  // (2026-12-05 10:5x, scripts/gpu_norm.sh WIDE_SWEEP=1, bf16 fwd+bwd ms, bwd_wide=0 / 3 in two
+  // runs each, ring shared memory per block, blocks an SM): H=2048 0.2671, 0.2675 / 0.2630,
+  // 0.2641 (29 KB: seven blocks of 128, 28 warps); 4096 0.5048, 0.4985 / 0.4839, 0.4849 (four of
+  // 256, 32 warps); 8192 0.9829, 0.9825 / 0.9444, 0.9428 (two of 512); 12288 1.5744, 1.5733 /
+  // 1.6642, 1.6640 (158 KB: one of 768, 24 warps, slower); 16384 2.0518, 2.0503 / 1.9768,
+  // 1.9853 (one of 1024). So 32 warps or none: 2048's 1.5 % is left to the rule.
+  int bwd_wide = 3;
 };
 
 // APEX_NORM_TUNE's knobs: name, field, least and most value (another is ignored, said once).
@@ -1495,16 +1469,25 @@ constexpr Knob kKnobs[] = {
     {"fwd_mid_pt16", &Tune::fwd_mid_pt16, 0, kAny}, {"bwd_bias4", &Tune::bwd_bias4, 0, kAny},
     {"fwd_hint", &Tune::fwd_hint, 0, kAny},
     {"rms_fwd_hint", &Tune::rms_fwd_hint, 0, kAny},
-    {"fwd32_hint", &Tune::fwd32_hint, 0, 3},
-    {"bwd_hint", &Tune::bwd_hint, 0, 3},
     {"bwd_wide", &Tune::bwd_wide, 0, 3},
 };
 
-const Tune& tune() {
-  static const Tune t = [] {
-    Tune v;
+// APEX_NORM_TUNE read into a Tune, and what it gave that was not taken (one line each). Not
+// TORCH_WARN here: a warning raised in the first kernel's launch, inside this static's
+// initialisation, killed the process (SIGSEGV, H100, torch 2.11, 12-05 10:5x); Python reads the
+// lines once the library is loaded (apex_norm_tune_notes, ops.py) and warns.
+struct Parsed {
+  Tune tune;
+  std::string notes;
+};
+
+const Parsed& parsed() {
+  static const Parsed p = [] {
+    Parsed r;
+    Tune& v = r.tune;
+    auto note = [&](auto&&... parts) { r.notes += c10::str("APEX_NORM_TUNE: ", parts..., "\n"); };
     const char* env = std::getenv("APEX_NORM_TUNE");
-    if (env == nullptr) return v;
+    if (env == nullptr) return r;
     const std::string str(env);
     size_t pos = 0;
     while (pos < str.size()) {
@@ -1517,19 +1500,17 @@ const Tune& tune() {
         const Knob* knob = std::find_if(std::begin(kKnobs), std::end(kKnobs),
                                         [&](const Knob& k) { return key == k.name; });
         if (knob == std::end(kKnobs)) {
-          TORCH_WARN("APEX_NORM_TUNE: unknown knob '", key, "' ignored");
+          note("unknown knob '", key, "' ignored");
         } else {
           const char* text = item.c_str() + eq + 1;
           char* rest = nullptr;
           const long given = std::strtol(text, &rest, 10);
           while (rest != text && *rest == ' ') ++rest;  // "bwd_wide=1 ", as atoi took it
           if (rest == text || *rest != '\0') {
-            TORCH_WARN("APEX_NORM_TUNE: ", key, "='", text, "' is not an integer: ignored");
+            note(key, "='", text, "' is not an integer: ignored");
           } else if (given < knob->least || given > knob->most) {
-            // Not clamped: a bit mask's 4 (fwd32_hint, bwd_hint, bwd_wide: 0-3) would become 3,
-            // both norms on.
-            TORCH_WARN("APEX_NORM_TUNE: ", key, "=", given, " is outside ", knob->least, "..",
-                       knob->most, ": ignored");
+            // Not clamped: a bit mask's 4 (bwd_wide: 0-3) would become 3, both bits on.
+            note(key, "=", given, " is outside ", knob->least, "..", knob->most, ": ignored");
           } else {
             v.*(knob->field) = int(given);
           }
@@ -1537,17 +1518,19 @@ const Tune& tune() {
       }
       pos = end + 1;
     }
-    // The forward's hint sets compiled (see fwd_hint): another value runs none, said once.
+    // The forward's hint sets compiled (see fwd_hint): another value runs none.
     for (const auto& [name, value] :
          {std::pair{"fwd_hint", v.fwd_hint}, std::pair{"rms_fwd_hint", v.rms_fwd_hint}}) {
       if (value != 0 && value != kHintY && value != (kHintX | kHintParams | kHintY)) {
-        TORCH_WARN("APEX_NORM_TUNE: ", name, "=", value, " is not a hint set built (0, 4, 7): none");
+        note(name, "=", value, " is not a hint set built (0, 4, 7): none");
       }
     }
-    return v;
+    return r;
   }();
-  return t;
+  return p;
 }
+
+const Tune& tune() { return parsed().tune; }
 
 // The most dynamic shared memory a block of these kernels may ask for: the device's opt-in limit
 // (or APEX_NORM_TUNE's smem_kb, the tests' stand-in for a GPU with less) less the largest static
@@ -1708,10 +1691,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_impl(
             default: kernel = lean(std::integral_constant<int, 0>{}); break;
           }
         }
-      } else if constexpr (std::is_same_v<Tx, float>) {
-        // Tune's fwd32_hint: float32 rows (weight, bias and output float32 too) with the
-        // streaming store.
-        if (same && (tune().fwd32_hint & (RMS ? 2 : 1))) kernel = fwd_fast<float, NV, RMS, true, kHintY>;
       }
       // A block per TY rows by default; with fwd_waves a persistent grid, each row group walking
       // its rows.
@@ -1807,15 +1786,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
   // Tune's bwd_wide: LayerNorm's 16-bit LEAN rows with a bias (not memory_efficient) past 4096
   // (bit 1) or of 1025-4096 (bit 2) through bwd_ring_wide, at 2 vectors a thread on up to 1024
-  // threads, where its ring fits.
+  // threads, where its ring fits and an SM holds 1024 of its threads.
   bool wide = false;
   const int wide_bit = H > 512 * kVec ? 1 : (H > 128 * kVec ? 2 : 0);
   if (!RMS && xy.element_size() == 2 && (tune().bwd_wide & wide_bit) && bias.has_value() &&
       !memory_efficient && packed && lean && tune().bwd_ring >= 2) {
     const Config w = pick(H, aligned, 2, 2, 32, 1024);
-    if (w.nv == 2 && bwd_ring_smem(2, 2, 1, w.tx * w.ty, true) <= max_dyn_smem(device)) {
-      c = w;
-      wide = true;
+    const int threads = w.tx * w.ty;
+    const size_t smem = bwd_ring_smem(2, 2, 1, threads, true);
+    if (w.nv == 2 && smem <= max_dyn_smem(device)) {
+      const void* kernel =
+          xy.scalar_type() == at::kBFloat16
+              ? reinterpret_cast<const void*>(bwd_ring_wide<at::BFloat16, 2, false, false, true>)
+              : reinterpret_cast<const void*>(bwd_ring_wide<at::Half, 2, false, false, true>);
+      if (resident_blocks(kernel, threads, smem, device) / sm_count(device) * threads >= 1024) {
+        c = w;
+        wide = true;
+      }
     }
   }
   // LayerNorm's row sums (GroupSum<true>'s butterfly) need a power of two of threads a row; a row
@@ -1885,8 +1872,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
         if constexpr (kRing) {
           if (packed && ring) {
             if constexpr (NV == 2 && !RMS) {
-              // Tune's bwd_wide (not with bwd_hint's streaming store: 64 bytes of spill at 64
-              // registers, ptxas nvcc 13.0 sm_90).
+              // Tune's bwd_wide.
               if (wide) return launch(bwd_ring_wide<Tx, NV, RMS, false, true>, true);
             }
             // LayerNorm's 4-vector ring with its bias sums one float each (Tune's bwd_bias4).
@@ -1898,24 +1884,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
             }
             if (memory_efficient) return launch(bwd_ring<Tx, NV, RMS, true, false>, true);
             // LEAN (weight, bias and grad_input in the input's dtype): no run-time dtype branches.
-            // Tune's bwd_hint: grad_input's streaming store, bfloat16 rows only (compiled there).
             auto plain = [&](auto lean_tag) {
               constexpr bool L = decltype(lean_tag)::value;
-              auto go = [&](auto cs_tag) {
-                constexpr bool CS = decltype(cs_tag)::value;
-                // Rows of 2 vectors only: at 4, 80 registers spilled (LayerNorm's LEAN ring 232
-                // bytes, 18:1x build; memory_efficient, which takes bwd_ring above, 300+).
-                if constexpr (NV == 2) {
-                  if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) {
-                    return launch(bwd_ring_r80<Tx, NV, RMS, false, L, CS>, true);
-                  }
+              // Rows of 2 vectors only: at 4, 80 registers spilled (LayerNorm's LEAN ring 232
+              // bytes, 18:1x build; memory_efficient, which takes bwd_ring above, 300+).
+              if constexpr (NV == 2) {
+                if ((tune().bwd_r80 & (RMS ? 2 : 1)) && c.tx <= 256) {
+                  return launch(bwd_ring_r80<Tx, NV, RMS, false, L>, true);
                 }
-                launch(bwd_ring<Tx, NV, RMS, false, L, true, CS>, true);
-              };
-              if constexpr (std::is_same_v<Tx, at::BFloat16>) {
-                if (tune().bwd_hint & (RMS ? 2 : 1)) return go(std::true_type{});
               }
-              go(std::false_type{});
+              launch(bwd_ring<Tx, NV, RMS, false, L>, true);
             };
             // Rows of 1-2 vectors, and RMSNorm's 4-vector rows of 512 threads (8192 < H <=
             // 16384; measured at 16384): at 4 vectors LEAN measured slower elsewhere (H200
@@ -2035,4 +2013,11 @@ TORCH_LIBRARY_IMPL(apex_norm, CUDA, m) {
   m.impl("layer_norm_bwd", &apex_norm::layer_norm_bwd_cuda);
   m.impl("rms_norm_fwd", &apex_norm::rms_norm_fwd_cuda);
   m.impl("rms_norm_bwd", &apex_norm::rms_norm_bwd_cuda);
+}
+
+// What APEX_NORM_TUNE gave that was not taken, one line each ("" when nothing), read through
+// ctypes once the library is loaded (ops.py warns with each line). The first call reads the
+// variable, before any kernel runs.
+extern "C" __attribute__((visibility("default"))) const char* apex_norm_tune_notes() {
+  return apex_norm::parsed().notes.c_str();
 }
