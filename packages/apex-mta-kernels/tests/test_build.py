@@ -276,6 +276,20 @@ def test_post_load_hooks_run_once_after_a_load_and_not_after_a_failure(cache, mo
         assert calls == [ext]
     finally:
         loader._loaded.pop(spec.name, None)
+
+    # A hook that raises (a warning made an error): the caller sees it, the library stays loaded.
+    def raising(extension):
+        raise UserWarning("APEX_NORM_TUNE: unknown knob 'bogus' ignored")
+
+    monkeypatch.setitem(loader._post_load, spec.name, [raising, calls.append])
+    try:
+        with pytest.raises(UserWarning, match="bogus"):
+            loader.load(spec)
+        assert loader.load(spec) is ext and loader.loaded(spec) is ext
+        assert spec.name not in loader._failed and calls == [ext]
+    finally:
+        loader._loaded.pop(spec.name, None)
+    monkeypatch.setitem(loader._post_load, spec.name, [calls.append])
     monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
     monkeypatch.setattr(loader, "_load", lambda s: (_ for _ in ()).throw(OSError("no library")))
     try:

@@ -546,27 +546,41 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     assert set(want.items()) <= ran, (want, kernels)
     # bwd_wide: each LayerNorm 16-bit backward (with weight and bias, and with a bias alone: two
     # launches) took bwd_ring_wide where its bit covers the row (bit 1 H > 4096, bit 2 H of
-    # 1025-4096; default both), the two-stage ring fits a block's shared memory (up to 104 KB at
-    # H=8192, 208 KB at 16384: sm_90's 227 KB holds every H here) and an SM holds 1024 of its
-    # threads (sm_90: H = 4096, 8192, 16384; not 2048's seven blocks of 128, nor 12288's one of
-    # 768), and never elsewhere (nor in RMSNorm's).
+    # 1025-4096; default both) and the LEAN ring runs (bwd_lean, bwd_ring >= 2), every thread
+    # holds two vectors of it, the ring fits a block's shared memory and an SM holds 1024 of its
+    # threads (sm_90: H = 2048, 4096, 8192, 16384; not 12288: 1536 vectors on 1024 threads), and
+    # never elsewhere (nor in RMSNorm's).
     bits = int(knobs.get("bwd_wide", 3))
+    ring = int(knobs.get("bwd_ring", 2))
     capped = "smem_kb" in knobs
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("layer-bwd ")]
     assert len(lines) == 12, done.stdout
     for _, H, dtype, wide, optin, per_sm in lines:
         H, wide, optin, per_sm = int(H), int(wide), int(optin), int(per_sm)
         covered = (bits & 1 and H > 4096) or (bits & 2 and 1024 < H <= 4096)
-        # H / 16 threads; two stages of x and dy at 2 vectors a thread (8 H bytes), the stages'
-        # row statistics (H) and 16 float bias sums a thread (4 H), and 2 KB of static slots.
-        # Its 64 registers a thread never hold an SM under 1024 threads; shared memory may (1 KB
-        # more a block, reserved by the driver on sm_80 and later).
-        smem, threads = 13 * H + 2048, H // 16
-        fits = smem <= optin
+        covered = covered and ring >= 2 and int(knobs.get("bwd_lean", 1)) > 0
+        # pick()'s shape: a power of two of threads a row from 32 up, at most 1024, at 2 vectors
+        # (8 elements each) a thread; rows of fewer than 256 threads share a block.
+        nvec, tx = H // 8, 32
+        while tx < 1024 and tx * 2 < nvec:
+            tx *= 2
+        threads = tx * max(1, 256 // tx)
+        # The ring's stages (bwd_ring, fewer past 112 KB), each holding x and dy at 2 vectors a
+        # thread (64 bytes) and two row statistics (8); 16 float bias sums a thread (64); 2 KB of
+        # static slots; 1 KB a block more, reserved by the driver (sm_80 on). Its 64 registers a
+        # thread never hold an SM under 1024 threads.
+        # (max_dyn_smem: the opt-in limit less 4 KB, the largest kernel's static slots.)
+        dyn_max = optin - 4096
+        stages = ring
+        while stages > 2 and 72 * stages * threads + 64 * threads > min(112 * 1024, dyn_max):
+            stages -= 1
+        dyn = 72 * stages * threads + 64 * threads
+        smem, fits = dyn + 2048, dyn <= dyn_max
         full = min(per_sm // (smem + 1024), 2048 // threads) * threads >= 1024
-        if covered and not capped and fits and full:
+        even = tx * 2 == nvec
+        if covered and not capped and fits and full and even:
             assert wide == 2, (H, dtype, wide, tune)
-        elif not covered or (not capped and not full):
+        elif not covered or not even or (not capped and not (fits and full)):
             assert wide == 0, (H, dtype, wide, tune)
 
 

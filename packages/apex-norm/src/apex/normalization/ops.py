@@ -219,7 +219,7 @@ def _warn_tune_notes(extension) -> None:
     except (OSError, AttributeError):  # a library built before it had them
         return
     notes.restype = ctypes.c_char_p
-    for line in notes().decode().splitlines():
+    for line in notes().decode(errors="replace").splitlines():
         warnings.warn(line, UserWarning, stacklevel=2)
 
 

@@ -57,7 +57,8 @@ def _run_pre_load(name: str) -> None:
 
 def register_post_load(name: str, hook) -> None:
     """Run ``hook(extension)`` once the library ``name`` is loaded, before the call that loaded it
-    goes on (apex-norm reads there what its library has to say about the environment)."""
+    goes on (apex-norm reads there what its library has to say about the environment). What a
+    hook raises reaches that call; the library stays loaded."""
     _post_load.setdefault(name, []).append(hook)
 
 
@@ -317,15 +318,20 @@ def load(spec: KernelSpec) -> Extension | None:
             return _loaded[spec.name]
         if spec.name not in _failed:
             try:
-                _loaded[spec.name] = _load(spec)
-                for hook in _post_load.get(spec.name, ()):
-                    hook(_loaded[spec.name])
-                return _loaded[spec.name]
+                ext = _loaded[spec.name] = _load(spec)
             except Exception as exc:  # compiler errors come in many types
                 _failed[spec.name] = exc
                 if not strict():
                     warnings.warn(fallback_message(spec, exc), RuntimeWarning, stacklevel=3)
-        exc = _failed[spec.name]
+        if ext is None:
+            exc = _failed[spec.name]
+    if ext is not None:
+        # Outside the lock (a hook may load another library) and after the library counts as
+        # loaded: what a hook raises (a warning made an error) reaches this caller and leaves the
+        # library loaded.
+        for hook in _post_load.get(spec.name, ()):
+            hook(ext)
+        return ext
     if strict():
         raise KernelsUnavailable(fallback_message(spec, exc)) from exc
     return None

@@ -1431,23 +1431,25 @@ struct Tune {
   // rows the input hints' 5-6 points.
   int fwd_hint = 7;
   int rms_fwd_hint = 0;
-  // Not kept (built 12-05, third session; measured on an H100, 12-05 10:5x, scripts/gpu_norm.sh
-  // STORE_SWEEP=1, two runs each, off / on): the float32 forward's output as streaming data
-  // (fwd32_hint; % of copy, RMSNorm fwd H=16384 98.3, 98.3 / 91.8, 90.4, LayerNorm fwd+bwd
+  // Not kept (built 12-05, third session; measured on an H100, 12-05 10:5x, gpu_norm.sh's
+  // STORE_SWEEP of 61fb6b6, two runs each, off / on): the float32 forward's output as streaming
+  // data (fwd32_hint; % of copy, RMSNorm fwd H=16384 98.3, 98.3 / 91.8, 90.4, LayerNorm fwd+bwd
   // H=4096 96.0, 95.2 / 96.9, 94.9), and the bf16 ring backward's grad_input as streaming data
   // (bwd_hint; fwd+bwd, RMSNorm H=16384 95.4, 95.3 / 95.9, 91.7, LayerNorm 87.7, 87.5 / 85.9,
   // 84.7; within a point elsewhere). The forward's gain from its store (fwd_hint) did not carry.
   // LayerNorm's 16-bit backward (LEAN, with a bias, not memory_efficient) through bwd_ring_wide:
   // 2 vectors a thread on rows of up to 1024 threads at 64 registers, its bias sums in shared
-  // memory, where an SM holds 32 of its warps (1024 threads) at once: the warps it was built
-  // for. Bit 1: rows past 4096, against the 4-vector ring's 16 warps; bit 2: rows of 1025-4096,
-  // against bwd_ring_r80's 24 (80 registers, three blocks of 256 at 4096). Measured on an H100
-  // (2026-12-05 10:5x, scripts/gpu_norm.sh WIDE_SWEEP=1, bf16 fwd+bwd ms, bwd_wide=0 / 3 in two
-  // runs each, ring shared memory per block, blocks an SM): H=2048 0.2671, 0.2675 / 0.2630,
-  // 0.2641 (29 KB: seven blocks of 128, 28 warps); 4096 0.5048, 0.4985 / 0.4839, 0.4849 (four of
-  // 256, 32 warps); 8192 0.9829, 0.9825 / 0.9444, 0.9428 (two of 512); 12288 1.5744, 1.5733 /
-  // 1.6642, 1.6640 (158 KB: one of 768, 24 warps, slower); 16384 2.0518, 2.0503 / 1.9768,
-  // 1.9853 (one of 1024). So 32 warps or none: 2048's 1.5 % is left to the rule.
+  // memory, where every thread holds two vectors of the row and an SM holds 32 of its warps (1024
+  // threads) at once, the warps it was built for. Bit 1: rows past 4096, against the 4-vector
+  // ring's 16 warps; bit 2: rows of 1025-4096, against bwd_ring_r80's 24 (80 registers, three
+  // blocks of 256 at 4096). Measured on an H100 (2026-12-05 10:5x, scripts/gpu_norm.sh
+  // WIDE_SWEEP=1, bf16 fwd+bwd ms, bwd_wide=0 / 3 in two runs each, before the row rule): H=2048
+  // 0.2671, 0.2675 / 0.2630, 0.2641 (rows of 128 threads, two a block: four blocks, 32 warps);
+  // 4096 0.5048, 0.4985 / 0.4839, 0.4849 (four blocks of 256); 8192 0.9829, 0.9825 / 0.9444,
+  // 0.9428 (two of 512); 16384 2.0518, 2.0503 / 1.9768, 1.9853 (one of 1024); 12288 1.5744,
+  // 1.5733 / 1.6642, 1.6640: 1536 vectors on 1024 threads, half of them idle on their second
+  // (the 4-vector ring idles a quarter of its 512 threads' slots too, and was faster), so rows
+  // that do not fill their threads stay off.
   int bwd_wide = 3;
 };
 
@@ -1571,6 +1573,15 @@ int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device
 
 // The ring's cap on its shared memory: two blocks per SM on sm_90.
 constexpr size_t kRingSmemCap = 112 * 1024;
+
+// The ring's stages for `want` (Tune's bwd_ring) given its shared memory for S stages,
+// `smem(S)`: fewer where more would pass the cap or the device's limit; 0 where 2 do not fit.
+template <typename F>
+int ring_stages(int want, int device, F&& smem) {
+  const size_t cap = std::min(kRingSmemCap, max_dyn_smem(device));
+  while (want > 2 && smem(want) > cap) --want;
+  return want >= 2 && smem(want) <= max_dyn_smem(device) ? want : 0;
+}
 
 template <typename F>
 void dispatch_x(at::ScalarType st, F&& f) {
@@ -1786,20 +1797,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const bool lean = tune().bwd_lean > 0 && all_in_dtype_of(xy, weight, bias, dx);
   // Tune's bwd_wide: LayerNorm's 16-bit LEAN rows with a bias (not memory_efficient) past 4096
   // (bit 1) or of 1025-4096 (bit 2) through bwd_ring_wide, at 2 vectors a thread on up to 1024
-  // threads, where its ring fits and an SM holds 1024 of its threads.
+  // threads, where every thread holds two vectors of the row (not H=12288's 1536 vectors on 1024
+  // threads), its ring fits, and an SM holds 1024 of its threads (the occupancy calculator on
+  // the real device: smem_kb caps a block's shared memory, not the SM's).
   bool wide = false;
   const int wide_bit = H > 512 * kVec ? 1 : (H > 128 * kVec ? 2 : 0);
   if (!RMS && xy.element_size() == 2 && (tune().bwd_wide & wide_bit) && bias.has_value() &&
-      !memory_efficient && packed && lean && tune().bwd_ring >= 2) {
+      !memory_efficient && packed && lean) {
     const Config w = pick(H, aligned, 2, 2, 32, 1024);
     const int threads = w.tx * w.ty;
-    const size_t smem = bwd_ring_smem(2, 2, 1, threads, true);
-    if (w.nv == 2 && smem <= max_dyn_smem(device)) {
+    auto smem = [&](int S) { return bwd_ring_smem(S, 2, 1, threads, true); };
+    const int stages = ring_stages(tune().bwd_ring, device, smem);
+    if (w.nv == 2 && int64_t(w.tx) * 2 == H / kVec && stages >= 2) {
       const void* kernel =
           xy.scalar_type() == at::kBFloat16
               ? reinterpret_cast<const void*>(bwd_ring_wide<at::BFloat16, 2, false, false, true>)
               : reinterpret_cast<const void*>(bwd_ring_wide<at::Half, 2, false, false, true>);
-      if (resident_blocks(kernel, threads, smem, device) / sm_count(device) * threads >= 1024) {
+      const int64_t per_sm = resident_blocks(kernel, threads, smem(stages), device) / sm_count(device);
+      if (per_sm * threads >= 1024) {
         c = w;
         wide = true;
       }
@@ -1822,14 +1837,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
       // blocks at one per SM; 0: off, see pick). float32 takes bwd_fast: the ring measured slower
       // there (RMSNorm H=4096 fwd+bwd 66.7 % of copy against 87.4 %).
       const int chunks = int(sizeof(Pack<Tx>) / 16);
-      int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS) ? tune().bwd_ring : 0;
       auto ring_smem = [&](int S) {
         return bwd_ring_smem(S, c.nv, chunks, threads, want_b && (ring_bias_in_smem(c.nv, RMS) || wide));
       };
-      // Fewer stages where more would pass the cap or the device's limit; none where 2 do not fit.
-      const size_t stage_cap = std::min(kRingSmemCap, max_dyn_smem(device));
-      while (stages > 2 && ring_smem(stages) > stage_cap) --stages;
-      if (stages >= 2 && ring_smem(stages) > max_dyn_smem(device)) stages = 0;
+      const int stages = packed && sizeof(Tx) == 2 && ring_fits(c.nv, RMS)
+                             ? ring_stages(tune().bwd_ring, device, ring_smem)
+                             : 0;
       a.stages = stages;
       const bool ring = stages >= 2;
       const size_t smem = ring ? ring_smem(stages) : bwd_fast_smem(c.nv, threads, want_w, want_b && !RMS);
