@@ -19,6 +19,8 @@
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   WALL=1       one eager forward+backward's timeline at H=1024, ours and torch's (wall_trace_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
+#   BENCH=each   the same, one run per H (4096, 8192, 16384, 2048, 1024, then fp32), each run
+#                whole or not at all; DEADLINE=s stops starting runs s seconds after the start
 #   NO_TESTS=1   compile only, no tests
 #   TEST_DIRS="packages/apex-norm/tests=240 packages/apex-parallel/tests=200 ..."  the `cuda`
 #                tests of these packages (side by side, a time limit each; default apex-norm's)
@@ -144,6 +146,22 @@ if [ -n "${BASE:-}" ]; then
   done
   grep -h " ms " "$OUT"/ab_*.txt | sort -b -k2,2 -k3,3 -s
   rm -rf "$OUT/sweep"
+fi
+if [ "${BENCH:-0}" = each ]; then
+  # One bench_norm run per case (each with its own copy bandwidth and competitors), the rows of
+  # record first, so that a call cut short by DEADLINE (seconds since the script began) keeps
+  # what finished: bf16 H = 4096 / 8192 / 16384 / 2048 / 1024, then fp32 H=4096.
+  B="$OUT/bench"
+  for c in bf16:4096 bf16:8192 bf16:16384 bf16:2048 bf16:1024 fp32:4096; do
+    left=$(( ${DEADLINE:-100000} - SECONDS ))
+    [ "$left" -gt 20 ] || { echo "bench: no time left for $c"; break; }
+    mkdir -p "$B/${c/:/_}"
+    timeout "$left" python3 packages/apex-norm/benchmarks/bench_norm.py --out "$B/${c/:/_}" \
+      --dtypes "${c%%:*}" --hidden "${c##*:}" > "$B/${c/:/_}/norm.log" 2>&1 || echo "bench $c: rc=$?"
+    grep -hE "^\| (rms|layer)norm" "$B/${c/:/_}/bench_norm.md" 2>/dev/null |
+      awk -F'|' '{printf "%-44s %-8s %8s %7s %7s\n", $3, $4, $5, $8, $13}'
+  done
+  tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$B"
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   B="$OUT/bench"
