@@ -552,7 +552,6 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
     # never elsewhere (nor in RMSNorm's).
     bits = int(knobs.get("bwd_wide", 3))
     ring = int(knobs.get("bwd_ring", 2))
-    capped = "smem_kb" in knobs
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("layer-bwd ")]
     assert len(lines) == 12, done.stdout
     for _, H, dtype, wide, optin, per_sm in lines:
@@ -569,8 +568,10 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
         # thread (64 bytes) and two row statistics (8); 16 float bias sums a thread (64); 2 KB of
         # static slots; 1 KB a block more, reserved by the driver (sm_80 on). Its 64 registers a
         # thread never hold an SM under 1024 threads.
-        # (max_dyn_smem: the opt-in limit less 4 KB, the largest kernel's static slots.)
-        dyn_max = optin - 4096
+        # (max_dyn_smem: the opt-in limit, or smem_kb's cap of a block, less 4 KB, the largest
+        # kernel's static slots. The cap is a block's: the SM keeps its real shared memory.)
+        kb = int(knobs.get("smem_kb", 0))
+        dyn_max = (min(optin, max(kb, 16) * 1024) if kb else optin) - 4096
         stages = ring
         while stages > 2 and 72 * stages * threads + 64 * threads > min(112 * 1024, dyn_max):
             stages -= 1
@@ -578,10 +579,7 @@ def test_cuda_tuning_knobs_and_smaller_gpus_take_other_kernels(tmp_path, tune):
         smem, fits = dyn + 2048, dyn <= dyn_max
         full = min(per_sm // (smem + 1024), 2048 // threads) * threads >= 1024
         even = tx * 2 == nvec
-        if covered and not capped and fits and full and even:
-            assert wide == 2, (H, dtype, wide, tune)
-        elif not covered or not even or (not capped and not (fits and full)):
-            assert wide == 0, (H, dtype, wide, tune)
+        assert wide == (2 if covered and fits and full and even else 0), (H, dtype, wide, tune)
 
 
 @pytest.mark.cuda

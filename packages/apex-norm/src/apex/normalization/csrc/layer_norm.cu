@@ -1055,8 +1055,9 @@ __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
   bwd_ring_rows<Tx, NV, RMS, ME, LEAN, true>(a);
 }
 
-// LayerNorm's 16-bit ring on rows of 512-1024 threads at 2 vectors a thread (H > 4096: 8192 on
-// 512, 16384 on 1024), its bias sums in shared memory as the 4-vector ring keeps them, at 64
+// LayerNorm's 16-bit ring on rows of up to 1024 threads at 2 vectors a thread (H = 2048 on 128,
+// two rows a block; 4096 on 256; 8192 on 512; 16384 on 1024), its bias sums in shared memory as
+// the 4-vector ring keeps them, at 64
 // registers (__launch_bounds__(1024, 1)): 32 warps an SM where the 4-vector ring (125 registers:
 // 256 threads a row, two blocks an SM at 8192; 512, one block at 16384) has 16. Hypothesis:
 // that backward (about 60 % of copy for its three tensors at 16384, RMSNorm's 87 % in the same
@@ -1547,7 +1548,7 @@ size_t max_dyn_smem(int device) {
 // calculator, asked once per kernel, block size and device.
 // Dynamic shared memory above 48 KB needs the kernel's opt-in first, a function attribute of
 // each device's context: done once per kernel and device, for the most any launch can ask there
-// (227 KB on sm_90, 163 KB on sm_80).
+// (223 KB on sm_90, 159 KB on sm_80: max_dyn_smem).
 int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device) {
   static std::mutex mu;
   static std::vector<std::tuple<const void*, int, size_t, int, int>> seen;  // ..., device, per SM
