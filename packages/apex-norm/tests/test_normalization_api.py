@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import warnings
 
 import pytest
@@ -198,6 +199,54 @@ def test_tuning_notes_of_the_loaded_library_become_warnings(monkeypatch):
         Library.__init__ = lambda self, path: None  # an older library: no such symbol
         ops._warn_tune_notes(SimpleNamespace(path="/lib/apex_norm_C.so"))
     assert seen == []
+
+
+def test_tuning_notes_of_a_built_library(tmp_path):
+    """The compiled library's own reading of APEX_NORM_TUNE, through ctypes as after a load:
+    where an ahead-of-time build sits in the package (the CUDA matrix cells build one, on a
+    machine without a GPU), its notes for a bad variable are the warnings, and none for a good
+    one."""
+    import subprocess
+    import sys
+
+    from apex.multi_tensor_apply.build import loader
+
+    lib = ops.NORM.prebuilt_dir / f"{ops.NORM.name}{loader.LIB_SUFFIX}"
+    if torch.version.cuda is None or not lib.is_file():
+        pytest.skip("no ahead-of-time apex_norm_C here (nox -s cuda13_torch214 builds one)")
+    script = tmp_path / "notes.py"
+    script.write_text(
+        "import warnings, torch\n"
+        "from types import SimpleNamespace\n"
+        "from apex.normalization import ops\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    ops._warn_tune_notes(SimpleNamespace(path={str(lib)!r}))\n"
+        "for w in seen:\n"
+        "    print('warned', w.category.__name__, w.message)\n"
+    )
+    for tune, expected in (
+        (
+            "bogus=1,bwd_lean=two,bwd_wide=4,fwd_hint=3,bwd_ring=3 ",
+            [
+                "warned UserWarning APEX_NORM_TUNE: unknown knob 'bogus' ignored",
+                "warned UserWarning APEX_NORM_TUNE: bwd_lean='two' is not an integer: ignored",
+                "warned UserWarning APEX_NORM_TUNE: bwd_wide=4 is outside 0..3: ignored",
+                "warned UserWarning APEX_NORM_TUNE: fwd_hint=3 is not a hint set built (0, 4, 7): none",
+            ],
+        ),
+        ("bwd_wide=1,fwd_hint=4", []),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            env={**os.environ, "APEX_NORM_TUNE": tune},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        warned = [line for line in done.stdout.splitlines() if line.startswith("warned ")]
+        assert warned == expected, (tune, done.stdout, done.stderr)
 
 
 def test_normalized_shape_not_matching_input():
