@@ -57,8 +57,8 @@ def _run_pre_load(name: str) -> None:
 
 def register_post_load(name: str, hook) -> None:
     """Run ``hook(extension)`` once the library ``name`` is loaded, before the call that loaded it
-    goes on (apex-norm reads there what its library has to say about the environment). What a
-    hook raises reaches that call; the library stays loaded."""
+    goes on (apex-norm reads there what its library has to say about the environment). Every hook
+    runs; the first error raised reaches that call, and the library stays loaded."""
     _post_load.setdefault(name, []).append(hook)
 
 
@@ -327,10 +327,16 @@ def load(spec: KernelSpec) -> Extension | None:
             exc = _failed[spec.name]
     if ext is not None:
         # Outside the lock (a hook may load another library) and after the library counts as
-        # loaded: what a hook raises (a warning made an error) reaches this caller and leaves the
-        # library loaded.
+        # loaded: every hook runs; the first error one raises (a warning made an error) reaches
+        # this caller and leaves the library loaded.
+        errors = []
         for hook in _post_load.get(spec.name, ()):
-            hook(ext)
+            try:
+                hook(ext)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         return ext
     if strict():
         raise KernelsUnavailable(fallback_message(spec, exc)) from exc
