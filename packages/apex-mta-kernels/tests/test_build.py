@@ -263,6 +263,16 @@ def test_fallback_warns_once_and_strict_raises(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("APEX_STRICT_KERNELS", "1")
     with pytest.raises(loader.KernelsUnavailable, match="apex_test_broken is unavailable"):
         loader.load(BROKEN)
+    # Failed first under strict mode, then asked without it: the one warning comes then.
+    loader.reset_for_tests()
+    with pytest.raises(loader.KernelsUnavailable):
+        loader.load(BROKEN)
+    monkeypatch.delenv("APEX_STRICT_KERNELS")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert loader.load(BROKEN) is None
+        assert loader.load(BROKEN) is None
+    assert [w.category for w in seen] == [RuntimeWarning], [str(w.message) for w in seen]
 
 
 def test_post_load_hooks_run_once_after_a_load_and_not_after_a_failure(cache, monkeypatch):

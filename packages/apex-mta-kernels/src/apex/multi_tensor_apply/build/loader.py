@@ -40,6 +40,7 @@ class Extension:
 _lock = threading.Lock()
 _loaded: dict[str, Extension] = {}
 _failed: dict[str, Exception] = {}
+_warned: set[str] = set()  # failures warned about (once each, whenever the first lenient call)
 _pre_load: dict[str, list] = {}
 _post_load: dict[str, list] = {}
 
@@ -321,10 +322,11 @@ def load(spec: KernelSpec) -> Extension | None:
                 ext = _loaded[spec.name] = _load(spec)
             except Exception as exc:  # compiler errors come in many types
                 _failed[spec.name] = exc
-                if not strict():
-                    warnings.warn(fallback_message(spec, exc), RuntimeWarning, stacklevel=3)
         if ext is None:
             exc = _failed[spec.name]
+            warn = not strict() and spec.name not in _warned
+            if warn:
+                _warned.add(spec.name)
     if ext is not None:
         # Outside the lock (a hook may load another library) and after the library counts as
         # loaded: every hook runs; the first error one raises (a warning made an error) reaches
@@ -340,6 +342,8 @@ def load(spec: KernelSpec) -> Extension | None:
         return ext
     if strict():
         raise KernelsUnavailable(fallback_message(spec, exc)) from exc
+    if warn:
+        warnings.warn(fallback_message(spec, exc), RuntimeWarning, stacklevel=3)
     return None
 
 
@@ -374,4 +378,5 @@ def reset_for_tests() -> None:
     """Forget what this process loaded or failed (libraries stay loaded)."""
     _loaded.clear()
     _failed.clear()
+    _warned.clear()
     find_toolkit.cache_clear()
