@@ -1057,9 +1057,9 @@ __global__ void APEX_NORM_MAXNREG_80 bwd_ring_r80(BwdArgs a) {
 
 // LayerNorm's 16-bit ring on rows of up to 1024 threads at 2 vectors a thread (H = 2048 on 128,
 // two rows a block; 4096 on 256; 8192 on 512; 16384 on 1024), its bias sums in shared memory as
-// the 4-vector ring keeps them, at 64
-// registers (__launch_bounds__(1024, 1)): 32 warps an SM where the 4-vector ring (125 registers:
-// 256 threads a row, two blocks an SM at 8192; 512, one block at 16384) has 16. Hypothesis:
+// the 4-vector ring keeps them, at 64 registers (__launch_bounds__(1024, 1)): 32 warps an SM
+// where the 4-vector ring (125 registers: 256 threads a row, two blocks an SM at 8192; 512, one
+// block at 16384) has 16. Hypothesis:
 // that backward (about 60 % of copy for its three tensors at 16384, RMSNorm's 87 % in the same
 // shape) waits on latency, not on issue (its LEAN variant, with a quarter of the instructions,
 // was slower). Tune's bwd_wide; the same template arguments as bwd_ring, for its name.
@@ -1438,6 +1438,7 @@ struct Tune {
   // H=4096 96.0, 95.2 / 96.9, 94.9), and the bf16 ring backward's grad_input as streaming data
   // (bwd_hint; fwd+bwd, RMSNorm H=16384 95.4, 95.3 / 95.9, 91.7, LayerNorm 87.7, 87.5 / 85.9,
   // 84.7; within a point elsewhere). The forward's gain from its store (fwd_hint) did not carry.
+
   // LayerNorm's 16-bit backward (LEAN, with a bias, not memory_efficient) through bwd_ring_wide:
   // 2 vectors a thread on rows of up to 1024 threads at 64 registers, its bias sums in shared
   // memory, where every thread holds two vectors of the row and an SM holds 32 of its warps (1024
