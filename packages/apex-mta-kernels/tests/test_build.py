@@ -311,6 +311,36 @@ def test_post_load_hooks_run_once_after_a_load_and_not_after_a_failure(cache, mo
         loader._failed.pop(spec.name, None)
 
 
+def test_a_cache_that_cannot_be_marked_still_serves_the_loaded_library(cache, monkeypatch, caplog):
+    """Once the compiled library is open (its kernels registered), failing to write the cache's
+    marker (a full or read-only disk) must not count as a failed load: that would put the
+    reference back over the kernels. The entry stays unmarked, so it is not reused."""
+    from torch.utils import cpp_extension
+
+    spec = KernelSpec(name="apex_test_unmarked", package="", sources=("tiny.cpp",),
+                      directory=str(HERE / "data" / "tiny"))  # fmt: skip
+    opened = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: opened.append(kw["name"]))
+    write_text = Path.write_text
+
+    def refuse_marker(self, *args, **kwargs):
+        if self.name == loader.MARKER:
+            raise OSError(28, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse_marker)
+    monkeypatch.setenv("APEX_STRICT_KERNELS", "1")
+    try:
+        with caplog.at_level("WARNING", logger="apex.multi_tensor_apply.build"):
+            ext = loader.load(spec)
+        assert opened == [spec.name] and ext is not None and ext.origin == "compiled"
+        assert spec.name not in loader._failed
+        assert "could not mark it in the cache" in caplog.text
+        assert loader.find_cached(spec, ()) is None
+    finally:
+        loader._loaded.pop(spec.name, None)
+
+
 # ---- compile once, cache, lock ---------------------------------------------------------------------
 
 LOAD_TINY = """

@@ -265,7 +265,13 @@ def compile_spec(spec: KernelSpec, archs: tuple[str, ...]) -> Path:
         "seconds": round(seconds, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (out / MARKER).write_text(json.dumps(meta, indent=1))
+    try:
+        (out / MARKER).write_text(json.dumps(meta, indent=1))
+    except OSError as exc:
+        # The library is open and its kernels are registered: it serves this process all the
+        # same (failing here would put the reference back over them). Unmarked, the cache entry
+        # is not reused; an AOT build fails when it copies the marker.
+        log.warning("apex: built %s but could not mark it in the cache (%s)", spec.name, exc)
     log.warning("apex: built %s in %.1f s", spec.name, seconds)
     return lib
 
