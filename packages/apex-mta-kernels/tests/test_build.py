@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apex.multi_tensor_apply.build import cuda_home, loader
+from apex.multi_tensor_apply.build import aot, cuda_home, loader
 from apex.multi_tensor_apply.build.spec import (
     KernelSpec,
     arch_covers,
@@ -320,13 +320,19 @@ def test_a_cache_that_cannot_be_marked_still_serves_the_loaded_library(cache, mo
     spec = KernelSpec(name="apex_test_unmarked", package="", sources=("tiny.cpp",),
                       directory=str(HERE / "data" / "tiny"))  # fmt: skip
     opened = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: opened.append(kw["name"]))
+
+    def build(**kw):  # the library "built and opened"
+        Path(kw["build_directory"], kw["name"] + loader.LIB_SUFFIX).touch()
+        opened.append(kw["name"])
+
+    monkeypatch.setattr(cpp_extension, "load", build)
     write_text = Path.write_text
 
-    def refuse_marker(self, *args, **kwargs):
-        if self.name == loader.MARKER:
+    def refuse_marker(self, text, *args, **kwargs):
+        if self.name.startswith(loader.MARKER):  # as a full disk: the file made, then the error
+            write_text(self, "", *args, **kwargs)
             raise OSError(28, "No space left on device")
-        return write_text(self, *args, **kwargs)
+        return write_text(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", refuse_marker)
     monkeypatch.setenv("APEX_STRICT_KERNELS", "1")
@@ -336,7 +342,10 @@ def test_a_cache_that_cannot_be_marked_still_serves_the_loaded_library(cache, mo
         assert opened == [spec.name] and ext is not None and ext.origin == "compiled"
         assert spec.name not in loader._failed
         assert "could not mark it in the cache" in caplog.text
-        assert loader.find_cached(spec, ()) is None
+        assert loader.find_cached(spec, ()) is None  # not reused (no empty marker either)
+        # An ahead-of-time build refuses the unmarked library rather than ship it.
+        with pytest.raises(OSError, match="not marked"):
+            aot.build("", specs=[spec])
     finally:
         loader._loaded.pop(spec.name, None)
 

@@ -9,7 +9,7 @@ import pkgutil
 import shutil
 from pathlib import Path
 
-from .loader import LIB_SUFFIX, MARKER, compile_spec, find_cached
+from .loader import LIB_SUFFIX, MARKER, _read_marker, compile_spec, find_cached
 from .lock import FileLock
 from .spec import KernelSpec, cache_root, normalize_archs
 
@@ -49,6 +49,8 @@ def build(
                 wanted
             ):
                 lib = compile_spec(spec, wanted)
+                if _read_marker(lib.parent) is None:  # its marker could not be written
+                    raise OSError(f"{spec.name}: built at {lib.parent} but not marked there")
         if into_package:
             dest = spec.prebuilt_dir
             dest.mkdir(parents=True, exist_ok=True)

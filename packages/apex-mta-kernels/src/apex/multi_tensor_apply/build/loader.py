@@ -266,11 +266,13 @@ def compile_spec(spec: KernelSpec, archs: tuple[str, ...]) -> Path:
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        (out / MARKER).write_text(json.dumps(meta, indent=1))
+        # Whole or not at all (a full disk leaves no empty marker): written aside, then renamed.
+        (out / f"{MARKER}.tmp").write_text(json.dumps(meta, indent=1))
+        os.replace(out / f"{MARKER}.tmp", out / MARKER)
     except OSError as exc:
         # The library is open and its kernels are registered: it serves this process all the
         # same (failing here would put the reference back over them). Unmarked, the cache entry
-        # is not reused; an AOT build fails when it copies the marker.
+        # is not reused, and an AOT build refuses it (aot.build).
         log.warning("apex: built %s but could not mark it in the cache (%s)", spec.name, exc)
     log.warning("apex: built %s in %.1f s", spec.name, seconds)
     return lib
@@ -330,7 +332,8 @@ def load(spec: KernelSpec) -> Extension | None:
                 _failed[spec.name] = exc
         if ext is None:
             exc = _failed[spec.name]
-            warn = not strict() and spec.name not in _warned
+            is_strict = strict()
+            warn = not is_strict and spec.name not in _warned
             if warn:
                 _warned.add(spec.name)
     if ext is not None:
@@ -346,7 +349,7 @@ def load(spec: KernelSpec) -> Extension | None:
         if errors:
             raise errors[0]
         return ext
-    if strict():
+    if is_strict:
         raise KernelsUnavailable(fallback_message(spec, exc)) from exc
     if warn:
         warnings.warn(fallback_message(spec, exc), RuntimeWarning, stacklevel=3)
