@@ -500,6 +500,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Refuses sparse grads and grads the kernels cannot take with their params, naming the
         group and the param."""
         where = f"{self._name}: param group {index}"
+        allowed = self._param_dtypes()
         for i, p in enumerate(params):
             g = p.grad
             if g is None:
@@ -512,11 +513,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             # The group's params were checked when added; one cast since (module.double(),
             # p.data =), or its grad, is refused here, before any group steps.
             for what, t in (("parameter", p), ("grad of parameter", g)):
-                if t.dtype not in self._param_dtypes():
+                if t.dtype not in allowed:
                     raise TypeError(
                         f"{where}: the {what} {i} has dtype {t.dtype} (cast after it was added "
-                        f"to the optimizer?); {self._name} supports "
-                        f"{dtype_names(self._param_dtypes())}"
+                        f"to the optimizer?); {self._name} supports {dtype_names(allowed)}"
                     )
             for what, t in (("parameter", p), ("grad", g)):
                 if not _layouts(t):

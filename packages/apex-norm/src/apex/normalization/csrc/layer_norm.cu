@@ -1545,12 +1545,12 @@ size_t max_dyn_smem(int device) {
   return limit - sizeof(float4) * 2 * kMaxTY * kMaxWarps;
 }
 
-// Blocks of `threads` of `kernel` that fit on `device` (the current one) at once: the occupancy
-// calculator, asked once per kernel, block size and device.
+// Blocks of `threads` of `kernel` that fit on one SM of `device` (the current one) at once: the
+// occupancy calculator, asked once per kernel, block size and device.
 // Dynamic shared memory above 48 KB needs the kernel's opt-in first, a function attribute of
 // each device's context: done once per kernel and device, for the most any launch can ask there
 // (223 KB on sm_90, 159 KB on sm_80: max_dyn_smem).
-int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device) {
+int blocks_per_sm(const void* kernel, int threads, size_t smem, int device) {
   static std::mutex mu;
   static std::vector<std::tuple<const void*, int, size_t, int, int>> seen;  // ..., device, per SM
   static std::vector<std::pair<const void*, int>> opted;
@@ -1570,7 +1570,12 @@ int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device
     per_sm = std::max(per_sm, 1);
     seen.emplace_back(kernel, threads, smem, device, per_sm);
   }
-  return int64_t(per_sm) * sm_count(device);
+  return per_sm;
+}
+
+// ... and on the whole device.
+int64_t resident_blocks(const void* kernel, int threads, size_t smem, int device) {
+  return int64_t(blocks_per_sm(kernel, threads, smem, device)) * sm_count(device);
 }
 
 // The ring's cap on its shared memory: two blocks per SM on sm_90.
@@ -1811,12 +1816,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     auto smem = [&](int S) { return bwd_ring_smem(S, 2, 1, threads, true); };
     const int stages = ring_stages(tune().bwd_ring, device, smem);
     if (w.nv == 2 && int64_t(w.tx) * 2 == H / kVec && stages >= 2) {
-      const void* kernel =
-          xy.scalar_type() == at::kBFloat16
-              ? reinterpret_cast<const void*>(bwd_ring_wide<at::BFloat16, 2, false, false, true>)
-              : reinterpret_cast<const void*>(bwd_ring_wide<at::Half, 2, false, false, true>);
-      const int64_t per_sm = resident_blocks(kernel, threads, smem(stages), device) / sm_count(device);
-      if (per_sm * threads >= 1024) {
+      const void* kernel = nullptr;  // the one launched below (16-bit input here)
+      dispatch_x(xy.scalar_type(), [&](auto tag) {
+        using Tx = decltype(tag);
+        if constexpr (sizeof(Tx) == 2) {
+          kernel = reinterpret_cast<const void*>(bwd_ring_wide<Tx, 2, false, false, true>);
+        }
+      });
+      if (blocks_per_sm(kernel, threads, smem(stages), device) * threads >= 1024) {
         c = w;
         wide = true;
       }
