@@ -20,7 +20,8 @@
 #   WALL=1       one eager forward+backward's timeline at H=1024, ours and torch's (wall_trace_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
 #   BENCH=each   the same, one run per H (4096, 8192, 16384, 2048, 1024, then fp32), each run
-#                whole or not at all; DEADLINE=s stops starting runs s seconds after the start
+#                whole or not at all; DEADLINE=s stops starting runs s seconds after the start;
+#                BENCH_CASES="bf16:1024 fp32:4096": those cases only (a call cut short's rest)
 #   NO_TESTS=1   compile only, no tests
 #   TEST_DIRS="packages/apex-norm/tests=240 packages/apex-parallel/tests=200 ..."  the `cuda`
 #                tests of these packages (side by side, a time limit each; default apex-norm's)
@@ -152,7 +153,8 @@ if [ "${BENCH:-0}" = each ]; then
   # record first, so that a call cut short by DEADLINE (seconds since the script began) keeps
   # what finished: bf16 H = 4096 / 8192 / 16384 / 2048 / 1024, then fp32 H=4096.
   B="$OUT/bench"
-  for c in bf16:4096 bf16:8192 bf16:16384 bf16:2048 bf16:1024 fp32:4096; do
+  # shellcheck disable=SC2086  # one word per case
+  for c in ${BENCH_CASES:-bf16:4096 bf16:8192 bf16:16384 bf16:2048 bf16:1024 fp32:4096}; do
     left=$(( ${DEADLINE:-100000} - SECONDS ))
     [ "$left" -gt 20 ] || { echo "bench: no time left for $c"; break; }
     mkdir -p "$B/${c/:/_}"
