@@ -6,7 +6,7 @@ mkdir -p "$APEX_CACHE_DIR"
 [ -n "${CACHE_IN:-}" ] && tar xzf "$CACHE_IN" -C "$APEX_CACHE_DIR"
 use_sources
 export APEX_NORM_TUNE="bogus=1,bwd_lean=two,bwd_wide=4,bwd_ring=-1" PYTHONFAULTHANDLER=1
-for v in plain nowarn keep preload; do
+for v in plain nowarn quiet keep preload; do
   for i in 1 2 3; do
     timeout 120 python3 scripts/debug_tune_segv.py "$v" > "$OUT/segv_${v}_$i.txt" 2>&1
     rc=$?
