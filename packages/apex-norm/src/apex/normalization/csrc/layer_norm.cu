@@ -1476,10 +1476,11 @@ constexpr Knob kKnobs[] = {
     {"bwd_wide", &Tune::bwd_wide, 0, 3},
 };
 
-// APEX_NORM_TUNE read into a Tune, and what it gave that was not taken (one line each). Not
-// TORCH_WARN here: a warning raised in the first kernel's launch, inside this static's
-// initialisation, killed the process (SIGSEGV, H100, torch 2.11, 12-05 10:5x); Python reads the
-// lines once the library is loaded (apex_norm_tune_notes, ops.py) and warns.
+// APEX_NORM_TUNE read into a Tune, and what it gave that was not taken (one line each), which
+// Python reads once the library is loaded (apex_norm_tune_notes, ops.py) and warns about. The
+// lines are built by checks.h's fmt, not c10::str: its ostream formatting killed the process on
+// the GPU machine's toolchain (SIGSEGV in this function, H100 and H200, torch 2.11; faulthandler,
+// scripts/debug_tune_segv.sh, 12-05 14:0x), as apex-mta-kernels' checks.h found for its messages.
 struct Parsed {
   Tune tune;
   std::string notes;
@@ -1489,7 +1490,7 @@ const Parsed& parsed() {
   static const Parsed p = [] {
     Parsed r;
     Tune& v = r.tune;
-    auto note = [&](auto&&... parts) { r.notes += c10::str("APEX_NORM_TUNE: ", parts..., "\n"); };
+    auto note = [&](auto&&... parts) { r.notes += fmt("APEX_NORM_TUNE: ", parts..., "\n"); };
     const char* env = std::getenv("APEX_NORM_TUNE");
     if (env == nullptr) return r;
     const std::string str(env);
