@@ -1,4 +1,7 @@
+import fcntl
+import gc
 import os
+import tempfile
 import zlib
 
 import pytest
@@ -16,6 +19,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line(
+        "markers", "big_memory: holds about 26 GB of GPU memory (one such test at a time)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,6 +37,27 @@ def pytest_collection_modifyitems(config, items):
 def _seed(request):
     """Fresh random inputs per test, reproducible from the test's name."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _one_big_test_at_a_time(request):
+    """Tests marked big_memory (tensors of 2^31 + 17 elements, about 26 GB each) run one at a
+    time across pytest-xdist's workers, which share the GPU: three at once ran an 80 GB H100 out
+    of memory (12-05 13:5x). An exclusive lock on a file in the temporary folder, held until the
+    test's memory has gone back to the driver (the caching allocator would keep it)."""
+    if "big_memory" not in request.keywords:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), "apex-mta-kernels-big-memory.lock")
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -773,6 +773,7 @@ def test_adam_cuda_unaligned_tensors_take_the_scalar_path(dp, strict_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_adam_over_2_pow_31_elements(strict_kernels):
     """bf16 grads and params, fp32 moments, one tensor of 2^31 + 17 elements (about 26 GB)."""
     n = 2**31 + 17

@@ -439,6 +439,7 @@ def test_l2norm_more_tensors_than_one_launch_holds(strict_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_l2norm_over_2_pow_31_elements(strict_kernels):
     n = 2**31 + 17
     x = torch.empty(n, dtype=torch.float16, device="cuda").uniform_(-4, 4)

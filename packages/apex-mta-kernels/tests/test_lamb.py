@@ -1257,6 +1257,7 @@ def test_lamb_cuda_unaligned_tensors_take_the_scalar_path(dp, strict_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_lamb_over_2_pow_31_elements(strict_kernels):
     """bf16 grads and params, fp32 moments, one tensor of 2^31 + 17 elements (about 26 GB).
     m, v and the update do not depend on the norms: both ends are checked against the reference

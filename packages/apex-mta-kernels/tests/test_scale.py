@@ -290,6 +290,7 @@ def test_scale_cuda_matches_reference_on_random_lists(strict_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_scale_over_2_pow_31_elements(strict_kernels):
     n = 2**31 + 17
     x = torch.empty(n, dtype=torch.float16, device="cuda").uniform_(-4, 4)

@@ -525,6 +525,7 @@ def test_sgd_cuda_matches_reference_on_random_lists(strict_kernels):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_sgd_over_2_pow_31_elements(strict_kernels):
     n = 2**31 + 17
     cfg = CONFIGS["nesterov-wd-after-scaled"]
