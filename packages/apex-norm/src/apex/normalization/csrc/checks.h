@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
@@ -26,8 +27,16 @@ inline std::string dtype_str(at::ScalarType t) {
 namespace detail {
 inline void put(std::string& s, const char* v) { s += v; }
 inline void put(std::string& s, const std::string& v) { s += v; }
+inline void put(std::string& s, char v) { s += v; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
 inline void put(std::string& s, T v) { s += std::to_string(v); }
+// Without these a double would take IntArrayRef's one-element constructor ("[3]" for 3.5).
+inline void put(std::string& s, double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  s += buf;
+}
+inline void put(std::string& s, float v) { put(s, static_cast<double>(v)); }
 inline void put(std::string& s, const c10::Device& d) { s += d.str(); }
 inline void put(std::string& s, at::ScalarType t) { s += dtype_str(t); }
 inline void put(std::string& s, c10::IntArrayRef a) {
