@@ -24,7 +24,7 @@ extensions = [
 source_suffix = {".md": "markdown"}
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "benchmark-results.md"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "benchmark-results.md", "bench/**"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
