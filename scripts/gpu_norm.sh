@@ -125,7 +125,7 @@ if [ "${SHAPES:-0}" = 1 ]; then
 fi
 if [ "${HOST:-0}" = 1 ]; then
   timeout 60 python3 scripts/host_norm.py 1024 > "$OUT/host_norm.txt" 2>&1
-  head -14 "$OUT/host_norm.txt"
+  head -16 "$OUT/host_norm.txt"
 fi
 if [ "${WALL:-0}" = 1 ]; then
   timeout 150 python3 scripts/wall_trace_norm.py 1024 > "$OUT/wall_trace.txt" 2>&1
