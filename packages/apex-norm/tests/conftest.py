@@ -5,6 +5,8 @@ import zlib
 
 import pytest
 
+from apex.multi_tensor_apply.testing.gpu_memory import one_big_test_at_a_time
+
 
 def pytest_collection_modifyitems(config, items):
     needs_gpu = [item for item in items if item.get_closest_marker("cuda")]
@@ -25,3 +27,7 @@ def _seed(request):
     import torch
 
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# Tests marked big_memory run one at a time, across workers and packages (gpu_memory).
+_one_big_test_at_a_time = pytest.fixture(autouse=True)(one_big_test_at_a_time)

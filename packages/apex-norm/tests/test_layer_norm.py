@@ -769,6 +769,7 @@ def test_cuda_kernels_are_loaded():
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_cuda_over_two_to_the_31_elements():
     """64-bit indexing: rows past element 2^31 are normalised, and their gradients are right."""
     H = 4096

@@ -2,6 +2,8 @@
 
 import pytest
 
+from apex.multi_tensor_apply.testing.gpu_memory import one_big_test_at_a_time
+
 
 def pytest_collection_modifyitems(config, items):
     needs_gpu = [item for item in items if item.get_closest_marker("cuda")]
@@ -14,3 +16,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     for item in needs_gpu:
         item.add_marker(skip)
+
+
+# Tests marked big_memory run one at a time, across workers and packages (gpu_memory).
+_one_big_test_at_a_time = pytest.fixture(autouse=True)(one_big_test_at_a_time)

@@ -347,6 +347,7 @@ def test_cuda_syncbatchnorm_matches_batchnorm(dtype, layout):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.big_memory
 def test_cuda_over_2_31_elements():
     n = 2**30 + 8  # 2 channels * n > 2**31 elements, bfloat16 (4.3 GB)
     x = torch.randn(1, 2, n, device="cuda", dtype=torch.bfloat16)
