@@ -350,6 +350,77 @@ def test_a_cache_that_cannot_be_marked_still_serves_the_loaded_library(cache, mo
         loader._loaded.pop(spec.name, None)
 
 
+def _hooked_build(monkeypatch, spec, events, opens: bool):
+    """cpp_extension.load faked: "compile", then (``opens``) open the library through
+    torch.ops.load_library as cpp_extension does, itself a recorder here; spec's pre-load hook
+    records too."""
+    import torch
+    from torch.utils import cpp_extension
+
+    def build(**kw):
+        lib = Path(kw["build_directory"], kw["name"] + loader.LIB_SUFFIX)
+        lib.touch()
+        events.append("compile")
+        if opens:
+            torch.ops.load_library(str(lib))
+
+    def load_library(path):
+        events.append(("open", Path(path).name))
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    monkeypatch.setitem(loader._pre_load, spec.name, [lambda: events.append("pre-load")])
+    return load_library
+
+
+@pytest.mark.parametrize("opens", [True, False])
+def test_pre_load_hooks_run_at_the_open_not_before_the_compile(cache, monkeypatch, opens):
+    """The stand-ins step aside right before the compiled library opens, not while nvcc runs
+    (another thread's first call must meet them then and wait, not find the reference); where
+    cpp_extension opened the library some other way, the hooks still run once it returns."""
+    import torch
+
+    spec = KernelSpec(name="apex_test_preload", package="", sources=("tiny.cpp",),
+                      directory=str(HERE / "data" / "tiny"))  # fmt: skip
+    events = []
+    recorder = _hooked_build(monkeypatch, spec, events, opens)
+    # Another library opened meanwhile passes straight through, without the hooks.
+    other = lambda: torch.ops.load_library("/elsewhere/other" + loader.LIB_SUFFIX)  # noqa: E731
+    monkeypatch.setitem(loader._post_load, spec.name, [lambda ext: other()])
+    try:
+        assert loader.load(spec) is not None
+    finally:
+        loader._loaded.pop(spec.name, None)
+    lib = spec.name + loader.LIB_SUFFIX
+    opened = ["compile", "pre-load", ("open", lib)] if opens else ["compile", "pre-load"]
+    assert events == opened + [("open", "other" + loader.LIB_SUFFIX)]
+    assert torch.ops.load_library is recorder  # what was there before, back
+
+
+def test_a_failed_compile_runs_no_pre_load_hook(cache, monkeypatch):
+    """The stand-ins stay when nvcc fails: the reference serves, with the one warning."""
+    from torch.utils import cpp_extension
+
+    spec = KernelSpec(name="apex_test_preload_fail", package="", sources=("tiny.cpp",),
+                      directory=str(HERE / "data" / "tiny"))  # fmt: skip
+    events = []
+    _hooked_build(monkeypatch, spec, events, True)
+
+    def fail(**kw):
+        events.append("compile")
+        raise RuntimeError("nvcc: error")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert loader.load(spec) is None
+    finally:
+        loader._failed.pop(spec.name, None)
+    assert events == ["compile"]
+
+
 # ---- compile once, cache, lock ---------------------------------------------------------------------
 
 LOAD_TINY = """

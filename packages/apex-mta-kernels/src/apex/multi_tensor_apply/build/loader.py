@@ -5,6 +5,7 @@ Never called at import: ops call ``load(spec)`` the first time they run on a CUD
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +55,40 @@ def register_pre_load(name: str, hook) -> None:
 def _run_pre_load(name: str) -> None:
     for hook in _pre_load.get(name, ()):
         hook()
+
+
+@contextlib.contextmanager
+def _pre_load_at_open(name: str):
+    """While cpp_extension builds and opens the library ``name`` (one call), its pre-load hooks
+    run right before the open rather than before the compile: torch.ops.load_library, which
+    cpp_extension opens it with, is wrapped meanwhile. Until then the Python stand-ins stay, so
+    another thread's first call meets them and waits on the loader's lock for the compiled
+    kernels (strict mode holds) instead of finding the reference for the minutes nvcc runs.
+    Should cpp_extension open it another way, the hooks run once it returns."""
+    import torch
+
+    ops = torch.ops
+    shadowed = "load_library" in vars(ops)  # already an instance attribute (a test's stand-in)
+    previous = ops.load_library
+    ran = []
+
+    def load_library(path):
+        if not ran and Path(path).name == name + LIB_SUFFIX:
+            ran.append(True)
+            _run_pre_load(name)
+        return previous(path)
+
+    ops.load_library = load_library
+    try:
+        yield
+    finally:
+        if vars(ops).get("load_library") is load_library:
+            if shadowed:
+                ops.load_library = previous
+            else:
+                del ops.load_library
+    if not ran:
+        _run_pre_load(name)
 
 
 def register_post_load(name: str, hook) -> None:
@@ -232,17 +267,17 @@ def compile_spec(spec: KernelSpec, archs: tuple[str, ...]) -> Path:
         cuda_flags = list(spec.extra_cuda_cflags)
         if tk is not None:
             cuda_flags += _nvcc_threads(sources, archs)
-        _run_pre_load(spec.name)
-        cpp_extension.load(
-            name=spec.name,
-            sources=sources,
-            extra_cflags=list(spec.extra_cflags),
-            extra_cuda_cflags=cuda_flags,
-            extra_ldflags=ldflags,
-            build_directory=str(out),
-            verbose=verbose,
-            is_python_module=False,
-        )
+        with _pre_load_at_open(spec.name):
+            cpp_extension.load(
+                name=spec.name,
+                sources=sources,
+                extra_cflags=list(spec.extra_cflags),
+                extra_cuda_cflags=cuda_flags,
+                extra_ldflags=ldflags,
+                build_directory=str(out),
+                verbose=verbose,
+                is_python_module=False,
+            )
     finally:
         for k, v in saved.items():
             if v is None:
