@@ -361,6 +361,8 @@ def _hooked_build(monkeypatch, spec, events, opens: bool):
         lib = Path(kw["build_directory"], kw["name"] + loader.LIB_SUFFIX)
         lib.touch()
         events.append("compile")
+        # Another library opened meanwhile (another thread's) passes straight through.
+        torch.ops.load_library("/elsewhere/other" + loader.LIB_SUFFIX)
         if opens:
             torch.ops.load_library(str(lib))
 
@@ -384,27 +386,27 @@ def test_pre_load_hooks_run_at_the_open_not_before_the_compile(cache, monkeypatc
                       directory=str(HERE / "data" / "tiny"))  # fmt: skip
     events = []
     recorder = _hooked_build(monkeypatch, spec, events, opens)
-    # Another library opened meanwhile passes straight through, without the hooks.
-    other = lambda: torch.ops.load_library("/elsewhere/other" + loader.LIB_SUFFIX)  # noqa: E731
-    monkeypatch.setitem(loader._post_load, spec.name, [lambda ext: other()])
     try:
         assert loader.load(spec) is not None
     finally:
         loader._loaded.pop(spec.name, None)
-    lib = spec.name + loader.LIB_SUFFIX
-    opened = ["compile", "pre-load", ("open", lib)] if opens else ["compile", "pre-load"]
-    assert events == opened + [("open", "other" + loader.LIB_SUFFIX)]
+    other = ("open", "other" + loader.LIB_SUFFIX)
+    lib = ("open", spec.name + loader.LIB_SUFFIX)
+    assert (
+        events == ["compile", other, "pre-load", lib] if opens else ["compile", other, "pre-load"]
+    )
     assert torch.ops.load_library is recorder  # what was there before, back
 
 
 def test_a_failed_compile_runs_no_pre_load_hook(cache, monkeypatch):
     """The stand-ins stay when nvcc fails: the reference serves, with the one warning."""
+    import torch
     from torch.utils import cpp_extension
 
     spec = KernelSpec(name="apex_test_preload_fail", package="", sources=("tiny.cpp",),
                       directory=str(HERE / "data" / "tiny"))  # fmt: skip
     events = []
-    _hooked_build(monkeypatch, spec, events, True)
+    recorder = _hooked_build(monkeypatch, spec, events, True)
 
     def fail(**kw):
         events.append("compile")
@@ -419,6 +421,33 @@ def test_a_failed_compile_runs_no_pre_load_hook(cache, monkeypatch):
     finally:
         loader._failed.pop(spec.name, None)
     assert events == ["compile"]
+    assert torch.ops.load_library is recorder
+
+
+def test_an_open_that_fails_after_the_hooks_puts_load_library_back(cache, monkeypatch):
+    import torch
+
+    spec = KernelSpec(name="apex_test_preload_open", package="", sources=("tiny.cpp",),
+                      directory=str(HERE / "data" / "tiny"))  # fmt: skip
+    events = []
+    _hooked_build(monkeypatch, spec, events, True)
+
+    def refuse(path):  # this library's open fails (another's passes)
+        if Path(path).name != spec.name + loader.LIB_SUFFIX:
+            return events.append(("open", Path(path).name))
+        events.append("open refused")
+        raise OSError("undefined symbol")
+
+    monkeypatch.setattr(torch.ops, "load_library", refuse)
+    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert loader.load(spec) is None
+    finally:
+        loader._failed.pop(spec.name, None)
+    assert events == ["compile", ("open", "other" + loader.LIB_SUFFIX), "pre-load", "open refused"]
+    assert torch.ops.load_library is refuse
 
 
 # ---- compile once, cache, lock ---------------------------------------------------------------------
@@ -569,3 +598,19 @@ def test_report_fails_on_a_foreign_apex(tmp_path):
     )
     assert r.returncode == 1
     assert "NVIDIA apex 0.1" in r.stdout and "apex namespace is broken" in r.stdout
+
+
+def test_pre_load_hooks_follow_cpp_extensions_rebuild_names(monkeypatch):
+    """A rebuild in one process with other arguments opens name_v1.so: the hooks run before it
+    (once), not after; name_v1x.so or another name is not it."""
+    import torch
+
+    events = []
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: events.append(Path(path).name))
+    monkeypatch.setitem(loader._pre_load, "apex_x", [lambda: events.append("pre-load")])
+    suffix = loader.LIB_SUFFIX
+    with loader._pre_load_at_open("apex_x"):
+        for name in ("apex_x_v1x", "apex_xy", "apex_x_v1", "apex_x_v2"):
+            torch.ops.load_library(f"/cache/{name}{suffix}")
+    assert events == [f"apex_x_v1x{suffix}", f"apex_xy{suffix}", "pre-load",
+                      f"apex_x_v1{suffix}", f"apex_x_v2{suffix}"]  # fmt: skip

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -73,7 +74,10 @@ def _pre_load_at_open(name: str):
     ran = []
 
     def load_library(path):
-        if not ran and Path(path).name == name + LIB_SUFFIX:
+        # cpp_extension names a rebuild in the same process with other arguments name_v1, ...
+        if not ran and re.fullmatch(
+            re.escape(name) + r"(?:_v\d+)?" + re.escape(LIB_SUFFIX), Path(path).name
+        ):
             ran.append(True)
             _run_pre_load(name)
         return previous(path)
