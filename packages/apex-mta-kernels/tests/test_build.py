@@ -375,6 +375,17 @@ def _hooked_build(monkeypatch, spec, events, opens: bool):
     return load_library
 
 
+def _load_fails_leniently(monkeypatch, spec):
+    """loader.load(spec) without strict mode gives None (its warning ignored), and forgets."""
+    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert loader.load(spec) is None
+    finally:
+        loader._failed.pop(spec.name, None)
+
+
 @pytest.mark.parametrize("opens", [True, False])
 def test_pre_load_hooks_run_at_the_open_not_before_the_compile(cache, monkeypatch, opens):
     """The stand-ins step aside right before the compiled library opens, not while nvcc runs
@@ -413,13 +424,7 @@ def test_a_failed_compile_runs_no_pre_load_hook(cache, monkeypatch):
         raise RuntimeError("nvcc: error")
 
     monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            assert loader.load(spec) is None
-    finally:
-        loader._failed.pop(spec.name, None)
+    _load_fails_leniently(monkeypatch, spec)
     assert events == ["compile"]
     assert torch.ops.load_library is recorder
 
@@ -439,13 +444,7 @@ def test_an_open_that_fails_after_the_hooks_puts_load_library_back(cache, monkey
         raise OSError("undefined symbol")
 
     monkeypatch.setattr(torch.ops, "load_library", refuse)
-    monkeypatch.delenv("APEX_STRICT_KERNELS", raising=False)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            assert loader.load(spec) is None
-    finally:
-        loader._failed.pop(spec.name, None)
+    _load_fails_leniently(monkeypatch, spec)
     assert events == ["compile", ("open", "other" + loader.LIB_SUFFIX), "pre-load", "open refused"]
     assert torch.ops.load_library is refuse
 
