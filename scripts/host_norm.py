@@ -29,6 +29,18 @@ def per_call_us(f, calls=2000) -> float:
     return host_ms(f, rep=5, calls=calls) * 1e3
 
 
+def profile_table(*fns, calls=200) -> None:
+    """The torch profiler's CPU table (by self time) over ``calls`` calls of each of ``fns``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for f in fns:
+            for _ in range(calls):
+                f()
+    torch.cuda.synchronize()
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 class _ThinRMS(torch.autograd.Function):
     """The least Python an autograd.Function over the ops can have (no checks): a floor."""
 
@@ -74,6 +86,7 @@ def main() -> None:
     print(
         f"host us per call, [4, {h}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
+    fwds, steps = {}, {}
     for name, m in mods.items():
         params = list(m.parameters())
 
@@ -84,6 +97,7 @@ def main() -> None:
         def step(m=m, params=params):
             torch.autograd.grad(m(x), [x, *params], dy)
 
+        fwds[name], steps[name] = fwd, step
         print(f"{name:24s} fwd {per_call_us(fwd):7.1f}   fwd+bwd {per_call_us(step):7.1f}")
     # The ops alone, on tensors that need no gradient (no autograd kernel runs).
     w = mods["thin Function (floor)"].weight.detach()
@@ -103,31 +117,16 @@ def main() -> None:
     }
     for name, f in calls.items():
         print(f"{name:24s} {per_call_us(f):7.1f}")
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        for _ in range(200):
-            calls["apex_norm op .default"]()
-        for _ in range(200):
-            calls["aten native_layer_norm"]()
-        m = mods["apex FusedRMSNorm"]
-        for _ in range(200):
-            torch.autograd.grad(m(x), [x, m.weight], dy)
-    torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    # FusedLayerNorm alone: its forward measured 17 us of host time above FusedRMSNorm's (H100,
-    # 12-05 13:4x), more than its one more allocation and saved tensors explain.
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        for _ in range(200):
-            calls["apex_norm LN op .default"]()
-        m = mods["apex FusedLayerNorm"]
-        for _ in range(200):
-            with torch.no_grad():
-                m(x)
-        for _ in range(200):
-            torch.autograd.grad(m(x), [x, m.weight, m.bias], dy)
-    torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    # The torch profiler's table over 200 calls of each: RMSNorm's op, torch's, the module's
+    # step; then FusedLayerNorm alone (its forward measured 17 us of host time above
+    # FusedRMSNorm's on an H100, 12-05 13:4x, more than its one more allocation and saved
+    # tensors explain): its op, its forward, its step.
+    profile_table(
+        calls["apex_norm op .default"], calls["aten native_layer_norm"], steps["apex FusedRMSNorm"]
+    )
+    profile_table(
+        calls["apex_norm LN op .default"], fwds["apex FusedLayerNorm"], steps["apex FusedLayerNorm"]
+    )
     m = mods["apex FusedRMSNorm"]
     prof = cProfile.Profile()
     prof.enable()
