@@ -18,6 +18,8 @@
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   WALL=1       one eager forward+backward's timeline at H=1024, ours and torch's (wall_trace_norm.py)
+#   FLOOR=1      the wall target's floor at H=1024: an eager forward+backward of next to no work
+#                against each module's wall, steady wall and backward time (wall_floor_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
 #   BENCH=each   the same, one run per H (4096, 8192, 16384, 2048, 1024, then fp32), each run
 #                whole or not at all; DEADLINE=s stops starting runs s seconds after the start;
@@ -130,6 +132,10 @@ fi
 if [ "${WALL:-0}" = 1 ]; then
   timeout 150 python3 scripts/wall_trace_norm.py 1024 > "$OUT/wall_trace.txt" 2>&1
   grep -E "wall/device|: step" "$OUT/wall_trace.txt"
+fi
+if [ "${FLOOR:-0}" = 1 ]; then
+  timeout 120 python3 scripts/wall_floor_norm.py 1024 > "$OUT/wall_floor.txt" 2>&1
+  tail -8 "$OUT/wall_floor.txt"
 fi
 if [ -n "${BASE:-}" ]; then
   wait

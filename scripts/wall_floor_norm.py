@@ -1,0 +1,98 @@
+"""Whether issue 5's host target (eager forward+backward wall time at H=1024 within 1.3x of its
+own kernel time) is within reach of any eager module, in one run: bf16 [32768, H], apex's and
+torch's RMSNorm / LayerNorm modules, against the floor of an eager forward+backward through
+torch.autograd.
+
+Per module: device ms of forward and forward+backward (CUDA-graph replays, as bench_norm),
+bench_norm's wall (one eager call, synchronised), the steady wall (50 calls back to back, one
+synchronisation: what a training loop sees) and the host ms per call.
+
+The floor: ``torch.autograd.grad(x * w, [x, w], dy)`` on 8 float32 elements, one synchronised
+call. Its kernels are next to nothing, so its wall is the host's cost of an eager forward, the
+engine's backward call and the synchronisation. A module's backward kernels cannot start before
+the engine launches them, so its wall is at least about floor + its backward's device time
+(forward+backward less forward); ``bound`` is that over its forward+backward device time. Where
+the bound passes 1.3, no eager module with those kernels meets the target on this machine (and
+faster kernels raise the bound). Usage: python scripts/wall_floor_norm.py [H] (default 1024)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from apex.normalization import FusedLayerNorm, FusedRMSNorm
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
+)
+from bench_utils import graph_ms, host_ms, wall_ms  # noqa: E402
+
+
+def steady_ms(fn, calls: int = 50, rep: int = 7) -> float:
+    """Median wall ms per call of ``calls`` calls back to back, one synchronisation at the end."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    h = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    dt = torch.bfloat16
+    x = torch.randn(32768, h, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn_like(x)
+    tx = torch.randn(8, device="cuda", requires_grad=True)
+    tw = torch.randn(8, device="cuda", requires_grad=True)
+    tdy = torch.randn(8, device="cuda")
+
+    def floor_step():
+        torch.autograd.grad(tx * tw, [tx, tw], tdy)
+
+    floor = wall_ms(floor_step, warmup=10, rep=101)
+    print(f"[32768, {h}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"floor (eager x * w forward+backward, 8 elements, synchronised): {floor * 1e3:.1f} us")
+    print(
+        f"{'module':20s} {'fwd us':>8s} {'f+b us':>8s} {'wall us':>8s} {'wall/dev':>8s} "
+        f"{'steady us':>9s} {'steady/dev':>10s} {'host us':>8s} {'bound':>6s}"
+    )
+    mods = {
+        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
+        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
+        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
+        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
+    }
+    for name, m in mods.items():
+        params = list(m.parameters())
+
+        def fwd(m=m):
+            with torch.no_grad():
+                m(x)
+
+        def step(m=m, params=params):
+            torch.autograd.grad(m(x), [x, *params], dy)
+
+        k_fwd = graph_ms(fwd) or float("nan")
+        k = graph_ms(step) or float("nan")
+        wall = wall_ms(step, warmup=3, rep=51)
+        steady = steady_ms(step)
+        host = host_ms(step, rep=51)
+        bound = (floor + k - k_fwd) / k
+        print(
+            f"{name:20s} {k_fwd * 1e3:8.1f} {k * 1e3:8.1f} {wall * 1e3:8.1f} {wall / k:8.2f} "
+            f"{steady * 1e3:9.1f} {steady / k:10.2f} {host * 1e3:8.1f} {bound:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
