@@ -18,6 +18,8 @@
 #   SHAPES=1     launch shapes, registers and occupancy of ours and torch.compile's kernels
 #   HOST=1       the host cost per eager call (scripts/host_norm.py)
 #   WALL=1       one eager forward+backward's timeline at H=1024, ours and torch's (wall_trace_norm.py)
+#   HOST_BIG=1   the host cost per eager call at [4, H] and [32768, H], the allocator's device
+#                calls, the profiler's runtime calls (scripts/host_big_norm.py)
 #   FLOOR=1      the wall target's floor at H=1024: an eager forward+backward of next to no work
 #                against each module's wall, steady wall and backward time (wall_floor_norm.py)
 #   BENCH=1      bench_norm (bf16 every H, fp32 H=4096; ours, torch eager, torch.compile)
@@ -132,6 +134,10 @@ fi
 if [ "${WALL:-0}" = 1 ]; then
   timeout 150 python3 scripts/wall_trace_norm.py 1024 > "$OUT/wall_trace.txt" 2>&1
   grep -E "wall/device|: step" "$OUT/wall_trace.txt"
+fi
+if [ "${HOST_BIG:-0}" = 1 ]; then
+  timeout 120 python3 scripts/host_big_norm.py 1024 > "$OUT/host_big.txt" 2>&1
+  grep -E "^rows|^H=" "$OUT/host_big.txt"
 fi
 if [ "${FLOOR:-0}" = 1 ]; then
   timeout 120 python3 scripts/wall_floor_norm.py 1024 > "$OUT/wall_floor.txt" 2>&1
