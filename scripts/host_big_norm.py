@@ -5,7 +5,7 @@ back to back against FusedLayerNorm's 172, the other way round from [4, H]. Some
 grows with the size.
 
 Per module and rows (4 and 32768): host us per call of forward and forward+backward (after a
-sync, as bench_norm's host column), the caching allocator's device allocations and frees during
+sync, as bench_norm's host column; [32768, H] twice, the second time in the reverse order), the caching allocator's device allocations and frees during
 50 calls, then the torch profiler's table (CPU and CUDA runtime calls) over 50 forward+backward
 calls at [32768, H]. Usage: python scripts/host_big_norm.py [H] (default 1024)."""
 
@@ -41,10 +41,14 @@ def main() -> None:
         "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
     }
     steps = {}
-    for rows in (4, 32768):
+    # [32768, H] twice, the second time in the reverse order: whether a module's figure is its
+    # own or that of its place in the run (bench_norm and wall_floor_norm.py time RMSNorm first).
+    order = list(mods)
+    for rows, names in ((4, order), (32768, order), (32768, order[::-1])):
         x = torch.randn(rows, h, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn_like(x)
-        for name, m in mods.items():
+        for name in names:
+            m = mods[name]
             params = list(m.parameters())
 
             def fwd(m=m, x=x):
