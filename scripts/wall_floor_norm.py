@@ -19,9 +19,7 @@ synchronisation), a call takes at least the floor's steady time or its own devic
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,22 +29,7 @@ from apex.normalization import FusedLayerNorm, FusedRMSNorm
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
 )
-from bench_utils import graph_ms, host_ms, wall_ms  # noqa: E402
-
-
-def steady_ms(fn, calls: int = 50, rep: int = 7) -> float:
-    """Median wall ms per call of ``calls`` calls back to back, one synchronisation at the end."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rep):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3 / calls)
-    return statistics.median(times)
+from bench_utils import graph_ms, host_ms, steady_ms, wall_ms  # noqa: E402
 
 
 def main() -> None:

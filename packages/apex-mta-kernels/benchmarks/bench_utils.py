@@ -117,6 +117,21 @@ def wall_ms(fn, warmup: int = 3, rep: int = 20) -> float:
     return statistics.median(times)
 
 
+def steady_ms(fn, calls: int = 50, rep: int = 7) -> float:
+    """Median wall milliseconds per call of ``calls`` calls back to back with one synchronisation
+    at the end: what a loop of eager calls (a training loop) sees, the host running ahead."""
+    warm_up(fn, 3)
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def copy_bandwidth(gbytes: float = 4.0) -> Row:
     """The ceiling: a large device-to-device copy, counting bytes read plus bytes written."""
     n = int(gbytes * 1e9 / 2 / 4)

@@ -13,6 +13,8 @@ device time of one call: the CUDA-event median of replays of a CUDA graph of 10 
 10 (``timing`` says "events" where a call could not be captured and eager calls were timed);
 ``% of copy`` compares with a device-to-device copy measured in the same run. ``wall ms`` is one
 eager call, host included, synchronised; ``wall/kernel`` its ratio to ``ms``: the host overhead.
+``steady ms`` is the wall time per call of 50 eager calls back to back with one synchronisation
+(a training loop's reading, the host running ahead of the GPU); ``steady/kernel`` its ratio.
 ``host ms`` is the host's time to issue one eager call from an idle GPU (the median of 15, no
 sync inside): where it exceeds ``ms`` an eager loop of such calls is bound by the host.
 ``--profile`` also lists the kernels of ours per case (bench_norm_profile.txt). apex's own kernels are not installed on the benchmark machine; its
@@ -39,6 +41,7 @@ from bench_utils import (  # noqa: E402
     copy_bandwidth,
     graph_ms,
     host_ms,
+    steady_ms,
     time_cuda,
     wall_ms,
     write,
@@ -142,6 +145,7 @@ def bench_case(
             if ms is None:
                 ms, timing = time_cuda(f, warmup=5, rep=25), "events"
             wall = wall_ms(f, warmup=2, rep=15)
+            steady = steady_ms(f)
             host = host_ms(f, rep=15)
             if profile is not None and name == "ours":
                 profile.append(kernel_profile(f, f"{case} {passname}"))
@@ -162,6 +166,8 @@ def bench_case(
                     "wall_ms": wall,
                     "timing": timing,
                     "wall_over_kernel": wall / ms if ms > 0 else float("nan"),
+                    "steady_ms": steady,
+                    "steady_over_kernel": steady / ms if ms > 0 else float("nan"),
                     "pct_copy": 100 * gb / ms / ceiling_tbps,
                 },
             )
@@ -183,8 +189,9 @@ def summary(rows: list[Row]) -> str:
     lines = [
         "",
         "| case | pass | ours % copy | best other | best other % copy | ours / best other "
-        "(time) | ours wall/kernel | ours host/kernel | best other wall/kernel |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+        "(time) | ours wall/kernel | ours host/kernel | best other wall/kernel | ours steady/kernel "
+        "| best other steady/kernel |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     groups: dict[tuple, dict[str, Row]] = {}
     for r in rows:
@@ -200,7 +207,8 @@ def summary(rows: list[Row]) -> str:
             f"| {norm} {dt} H={H} | {p} | {ours.extra['pct_copy']:.1f} | {best.impl} | "
             f"{best.extra['pct_copy']:.1f} | {ours.ms / best.ms:.2f} | "
             f"{ours.extra['wall_over_kernel']:.2f} | {ours.host_ms / ours.ms:.2f} | "
-            f"{best.extra['wall_over_kernel']:.2f} |"
+            f"{best.extra['wall_over_kernel']:.2f} | {ours.extra['steady_over_kernel']:.2f} | "
+            f"{best.extra['steady_over_kernel']:.2f} |"
         )
     return "\n".join(lines)
 
