@@ -140,8 +140,8 @@ if [ "${HOST_BIG:-0}" = 1 ]; then
   grep -E "^rows|^H=" "$OUT/host_big.txt"
 fi
 if [ "${FLOOR:-0}" = 1 ]; then
-  timeout 120 python3 scripts/wall_floor_norm.py 1024 > "$OUT/wall_floor.txt" 2>&1
-  tail -8 "$OUT/wall_floor.txt"
+  timeout 150 python3 scripts/wall_floor_norm.py 1024 > "$OUT/wall_floor.txt" 2>&1
+  grep -E "^(floor|module|apex|torch)|Error" "$OUT/wall_floor.txt"
 fi
 if [ -n "${BASE:-}" ]; then
   wait

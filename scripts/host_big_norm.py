@@ -5,9 +5,10 @@ back to back against FusedLayerNorm's 172, the other way round from [4, H]. Some
 grows with the size.
 
 Per module and rows (4 and 32768): host us per call of forward and forward+backward (after a
-sync, as bench_norm's host column; [32768, H] twice, the second time in the reverse order), the caching allocator's device allocations and frees during
-50 calls, then the torch profiler's table (CPU and CUDA runtime calls) over 50 forward+backward
-calls at [32768, H]. Usage: python scripts/host_big_norm.py [H] (default 1024)."""
+sync, as bench_norm's host column; [32768, H] twice, the second time in the reverse order), the
+caching allocator's device allocations and frees during those 102 calls, then the torch
+profiler's table (CPU and CUDA runtime calls) over 50 forward+backward calls at [32768, H].
+Usage: python scripts/host_big_norm.py [H] (default 1024)."""
 
 from __future__ import annotations
 
