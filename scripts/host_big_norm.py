@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+from norm_steps import calls, modules
 from torch.profiler import ProfilerActivity, profile
-
-from apex.normalization import FusedLayerNorm, FusedRMSNorm
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
@@ -35,12 +34,7 @@ def main() -> None:
     h = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
     dt = torch.bfloat16
     print(f"H={h} bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    mods = {
-        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
-        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
-        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
-        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
-    }
+    mods = modules(h, dt)
     steps = {}
     # [32768, H] twice, the second time in the reverse order: whether a module's figure is its
     # own or that of its place in the run (bench_norm and wall_floor_norm.py time RMSNorm first).
@@ -49,16 +43,7 @@ def main() -> None:
         x = torch.randn(rows, h, device="cuda", dtype=dt, requires_grad=True)
         dy = torch.randn_like(x)
         for name in names:
-            m = mods[name]
-            params = list(m.parameters())
-
-            def fwd(m=m, x=x):
-                with torch.no_grad():
-                    m(x)
-
-            def step(m=m, params=params, x=x, dy=dy):
-                torch.autograd.grad(m(x), [x, *params], dy)
-
+            fwd, step = calls(mods[name], x, dy)
             steps[(name, rows)] = step
             warm_up(fwd, 5)
             warm_up(step, 5)

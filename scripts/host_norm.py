@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
+from norm_steps import calls, modules
 
-from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.normalization import ops as norm_ops
 
 sys.path.insert(
@@ -76,34 +76,21 @@ def main() -> None:
     x = torch.randn(4, h, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.randn(4, h, device="cuda", dtype=dt)
     norm_ops.OPS.ensure_loaded()
-    mods = {
-        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
-        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
-        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
-        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
-        "thin Function (floor)": ThinRMS(h),
-    }
+    mods = modules(h, dt)
+    mods["thin Function (floor)"] = ThinRMS(h)
     print(
         f"host us per call, [4, {h}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
     fwds, steps = {}, {}
     for name, m in mods.items():
-        params = list(m.parameters())
-
-        def fwd(m=m):
-            with torch.no_grad():
-                m(x)
-
-        def step(m=m, params=params):
-            torch.autograd.grad(m(x), [x, *params], dy)
-
+        fwd, step = calls(m, x, dy)
         fwds[name], steps[name] = fwd, step
         print(f"{name:24s} fwd {per_call_us(fwd):7.1f}   fwd+bwd {per_call_us(step):7.1f}")
     # The ops alone, on tensors that need no gradient (no autograd kernel runs).
     w = mods["thin Function (floor)"].weight.detach()
     op = torch.ops.apex_norm.rms_norm_fwd
     xd = x.detach()
-    calls = {
+    op_calls = {
         "apex_norm op packet": lambda: op(xd, w, [h], 1e-5, False, None),
         "apex_norm op .default": lambda: op.default(xd, w, [h], 1e-5, False, None),
         "apex_norm LN op .default": lambda: torch.ops.apex_norm.layer_norm_fwd.default(
@@ -115,17 +102,21 @@ def main() -> None:
         "torch.rms_norm": lambda: torch.rms_norm(xd, [h], w, 1e-5),
         "torch.empty_like": lambda: torch.empty_like(xd),
     }
-    for name, f in calls.items():
+    for name, f in op_calls.items():
         print(f"{name:24s} {per_call_us(f):7.1f}")
     # The torch profiler's table over 200 calls of each: RMSNorm's op, torch's, the module's
     # step; then FusedLayerNorm alone (its forward measured 17 us of host time above
     # FusedRMSNorm's on an H100, 12-05 13:4x, more than its one more allocation and saved
     # tensors explain): its op, its forward, its step.
     profile_table(
-        calls["apex_norm op .default"], calls["aten native_layer_norm"], steps["apex FusedRMSNorm"]
+        op_calls["apex_norm op .default"],
+        op_calls["aten native_layer_norm"],
+        steps["apex FusedRMSNorm"],
     )
     profile_table(
-        calls["apex_norm LN op .default"], fwds["apex FusedLayerNorm"], steps["apex FusedLayerNorm"]
+        op_calls["apex_norm LN op .default"],
+        fwds["apex FusedLayerNorm"],
+        steps["apex FusedLayerNorm"],
     )
     m = mods["apex FusedRMSNorm"]
     prof = cProfile.Profile()

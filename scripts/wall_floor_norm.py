@@ -28,8 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
-
-from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from norm_steps import calls, modules
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
@@ -56,27 +55,13 @@ def main() -> None:
             steady_ms(floor_step),
         )
 
-    mods = {
-        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
-        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
-        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
-        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
-    }
+    mods = modules(h, dt)
     floors = [floor_times()]
     # Each module twice, the second time in the reverse order (a figure of the module's own, not
     # of its place in the run).
     rows = []
     for name in [*mods, *reversed(mods)]:
-        m = mods[name]
-        params = list(m.parameters())
-
-        def fwd(m=m):
-            with torch.no_grad():
-                m(x)
-
-        def step(m=m, params=params):
-            torch.autograd.grad(m(x), [x, *params], dy)
-
+        fwd, step = calls(mods[name], x, dy)
         k_fwd = graph_ms(fwd) or float("nan")
         k = graph_ms(step) or float("nan")
         rows.append(

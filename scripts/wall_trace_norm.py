@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
+from norm_steps import calls, modules
 from torch.profiler import ProfilerActivity, profile, record_function
-
-from apex.normalization import FusedLayerNorm, FusedRMSNorm
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parents[1] / "packages/apex-mta-kernels/benchmarks")
@@ -50,21 +49,12 @@ def main() -> None:
     dt = torch.bfloat16
     x = torch.randn(32768, h, device="cuda", dtype=dt, requires_grad=True)
     dy = torch.randn_like(x)
-    mods = {
-        "apex FusedRMSNorm": FusedRMSNorm(h).cuda().to(dt),
-        "apex FusedLayerNorm": FusedLayerNorm(h).cuda().to(dt),
-        "torch RMSNorm": torch.nn.RMSNorm(h).cuda().to(dt),
-        "torch LayerNorm": torch.nn.LayerNorm(h).cuda().to(dt),
-    }
+    mods = modules(h, dt)
     mods["compile RMSNorm"] = torch.compile(torch.nn.RMSNorm(h).cuda().to(dt))
     mods["compile LayerNorm"] = torch.compile(torch.nn.LayerNorm(h).cuda().to(dt))
     print(f"[32768, {h}] bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, m in mods.items():
-        params = list(m.parameters())
-
-        def step(m=m, params=params):
-            torch.autograd.grad(m(x), [x, *params], dy)
-
+        _, step = calls(m, x, dy)
         ms = graph_ms(step) or float("nan")
         wall = wall_ms(step, warmup=3, rep=31)
         print(f"{name:22s} device {ms:.4f} ms  wall {wall:.4f} ms  wall/device {wall / ms:.2f}")
