@@ -234,6 +234,45 @@ def test_native_plan_bad_grad_after_cached_steps_changes_nothing(name, before_st
     assert not all(torch.equal(p, b) for p, b in zip(ps, before))
 
 
+@pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
+def test_native_plan_param_cast_after_cached_steps_changes_nothing(name):
+    """A param cast after the C++ plans cached it (``p.data = p.data.double()``), in the second
+    group: the plans refuse their fetch (the param's dtype is not the one they were built with),
+    and the step's general path refuses float64 naming the group, before any group's kernel or
+    step count (test_state_changes.py checks the same on the CPU's reference plans). Cast back,
+    the optimizer steps; cast to bfloat16, which it takes, it steps in that dtype."""
+    cls, kw = PLANNED[name]
+    ps = make_params("cuda")
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-3, **kw)
+    run(opt, ps, 2)
+    assert all(n is not None for n in natives(opt))
+    before = [p.detach().clone() for p in ps]
+    steps = [copy.deepcopy(g.get("step")) for g in opt.param_groups]
+    state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    ps[2].data = ps[2].data.double()
+    with pytest.raises(TypeError, match=r"param group 1: the parameter 0 has dtype torch.float64"):
+        opt.step()
+    torch.cuda.synchronize()
+    for p, b in zip(ps, before):
+        assert torch.equal(p.double(), b.double())  # nothing was launched
+    for p, s in zip(ps, state):
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+    for g, s in zip(opt.param_groups, steps):
+        assert str(g.get("step")) == str(s)
+    ps[2].data = ps[2].data.float()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(ps, before))
+    ps[2].data = ps[2].data.bfloat16()
+    ps[2].grad = torch.randn_like(ps[2])
+    cast = ps[2].detach().clone()
+    opt.step()
+    assert ps[2].dtype == torch.bfloat16 and torch.isfinite(ps[2].float()).all()
+    assert not torch.equal(ps[2], cast)
+
+
 @needs_lamb_plan
 @pytest.mark.parametrize("master", [False, True])
 def test_lamb_plans_of_two_groups_match_the_ops_path(master, monkeypatch):
