@@ -195,6 +195,37 @@ def test_native_plan_keeps_no_grad_alive(name):
     assert all(r() is None for r in refs)
 
 
+def _planned_two_groups(name, steps):
+    """A planned optimizer over two groups of fresh params after ``steps`` steps, its C++ plans
+    built, and what its params, state and step counts were then (for _assert_unchanged)."""
+    cls, kw = PLANNED[name]
+    dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
+    ps = make_params("cuda", dtype)
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-3, **kw)
+    run(opt, ps, steps)
+    assert all(n is not None for n in natives(opt))
+    before = (
+        [p.detach().clone() for p in ps],
+        [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps],
+        [copy.deepcopy(g.get("step")) for g in opt.param_groups],
+    )
+    return opt, ps, before
+
+
+def _assert_unchanged(opt, ps, before):
+    """Nothing launched or counted since ``before`` (params compared in float64: one may have
+    been cast since)."""
+    params, state, steps = before
+    torch.cuda.synchronize()
+    for p, b in zip(ps, params):
+        assert torch.equal(p.double(), b.double())
+    for p, s in zip(ps, state):
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+    for g, s in zip(opt.param_groups, steps):
+        assert str(g.get("step")) == str(s)
+
+
 @pytest.mark.parametrize("before_steps", [1, 2])
 @pytest.mark.parametrize("name", plan_names("adam", "adam-master", "sgd-momentum", "lamb"))
 def test_native_plan_bad_grad_after_cached_steps_changes_nothing(name, before_steps):
@@ -203,35 +234,20 @@ def test_native_plan_bad_grad_after_cached_steps_changes_nothing(name, before_st
     checked before any bucket launches or any step is counted (the plans used to check each
     bucket's at its launch, after the buckets before it had stepped); with good grads again
     the plans step."""
-    cls, kw = PLANNED[name]
-    dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
-    ps = make_params("cuda", dtype)
-    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-3, **kw)
-    run(opt, ps, before_steps)
-    assert all(n is not None for n in natives(opt))
-    before = [p.detach().clone() for p in ps]
-    steps = [copy.deepcopy(g.get("step")) for g in opt.param_groups]
-    state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    opt, ps, before = _planned_two_groups(name, before_steps)
     for p in ps:
         p.grad = torch.randn_like(p)
-    ps[2].grad = torch.randn(tuple(reversed(ps[2].shape)), device="cuda", dtype=dtype).t()
+    ps[2].grad = torch.randn(tuple(reversed(ps[2].shape)), device="cuda", dtype=ps[2].dtype).t()
     for _ in range(2):
         with pytest.raises(
             ValueError, match="param group 1: the grad of parameter 0 is not contiguous"
         ):
             opt.step()
-    torch.cuda.synchronize()
-    for p, b in zip(ps, before):
-        assert torch.equal(p, b)  # nothing was launched
-    for p, s in zip(ps, state):
-        for k, v in s.items():
-            assert torch.equal(opt.state[p][k], v), k
-    for g, s in zip(opt.param_groups, steps):
-        assert str(g.get("step")) == str(s)
+    _assert_unchanged(opt, ps, before)
     ps[2].grad = torch.randn_like(ps[2])
     opt.step()
     assert all(n is not None for n in natives(opt))
-    assert not all(torch.equal(p, b) for p, b in zip(ps, before))
+    assert not all(torch.equal(p, b) for p, b in zip(ps, before[0]))
 
 
 @pytest.mark.parametrize("name", plan_names("adam", "sgd-momentum", "lamb"))
@@ -241,30 +257,16 @@ def test_native_plan_param_cast_after_cached_steps_changes_nothing(name):
     and the step's general path refuses float64 naming the group, before any group's kernel or
     step count (test_state_changes.py checks the same on the CPU's reference plans). Cast back,
     the optimizer steps; cast to bfloat16, which it takes, it steps in that dtype."""
-    cls, kw = PLANNED[name]
-    ps = make_params("cuda")
-    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-3, **kw)
-    run(opt, ps, 2)
-    assert all(n is not None for n in natives(opt))
-    before = [p.detach().clone() for p in ps]
-    steps = [copy.deepcopy(g.get("step")) for g in opt.param_groups]
-    state = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in ps]
+    opt, ps, before = _planned_two_groups(name, 2)
     for p in ps:
         p.grad = torch.randn_like(p)
     ps[2].data = ps[2].data.double()
     with pytest.raises(TypeError, match=r"param group 1: the parameter 0 has dtype torch.float64"):
         opt.step()
-    torch.cuda.synchronize()
-    for p, b in zip(ps, before):
-        assert torch.equal(p.double(), b.double())  # nothing was launched
-    for p, s in zip(ps, state):
-        for k, v in s.items():
-            assert torch.equal(opt.state[p][k], v), k
-    for g, s in zip(opt.param_groups, steps):
-        assert str(g.get("step")) == str(s)
+    _assert_unchanged(opt, ps, before)
     ps[2].data = ps[2].data.float()
     opt.step()
-    assert all(not torch.equal(p, b) for p, b in zip(ps, before))
+    assert all(not torch.equal(p, b) for p, b in zip(ps, before[0]))
     ps[2].data = ps[2].data.bfloat16()
     ps[2].grad = torch.randn_like(ps[2])
     cast = ps[2].detach().clone()
