@@ -1,8 +1,10 @@
 """Where the host time of an eager call goes at bench size: bench_norm measured apex's forward at
 [32768, H] bf16 at 32-105 us of host time a call against torch's 15-36 (H100, 12-05), while on
 [4, H] (host_norm.py) the two are within 4 us; and FusedRMSNorm's forward+backward 218 us a call
-back to back against FusedLayerNorm's 172, the other way round from [4, H]. Something in our path
-grows with the size.
+back to back against FusedLayerNorm's 172, the other way round from [4, H]. Asked whether
+something in our path grows with the size: in three calls (12-05 16:5x-17:0x) no module made a
+device allocation, and the host figures moved by up to 19x between calls of one machine, more
+than any difference between sizes or modules (packages/apex-norm/benchmarks/NOTES.md).
 
 Per module and rows (4 and 32768): host us per call of forward and forward+backward (after a
 sync, as bench_norm's host column; [32768, H] twice, the second time in the reverse order), the
